@@ -1,0 +1,15 @@
+"""elastic-hf: serve Hugging Face causal LMs and reshape a live deployment under load."""
+from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
+from elastic_hf.engine.sampling_params import SamplingParams
+
+__all__ = ["ElasticModel", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Importing the model pulls in transformers; keep `import elastic_hf` (and `elastic-hf --help`) light.
+    if name == "ElasticModel":
+        from elastic_hf.model.elastic_model import ElasticModel
+
+        return ElasticModel
+    raise AttributeError(f"module 'elastic_hf' has no attribute {name!r}")

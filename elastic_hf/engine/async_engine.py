@@ -1,0 +1,302 @@
+"""Asyncio front of the synchronous LLMEngine.
+
+The LLMEngine is not thread-safe, so exactly one background thread owns it: it executes add/abort commands
+from a locked list and runs `step()` while there is work, and sleeps on a condition variable otherwise (no busy
+spin). Outputs travel back to per-request asyncio queues through `loop.call_soon_threadsafe`, so the event loop
+never blocks on a model step and many HTTP clients share one batch.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from elastic_hf.engine.outputs import RequestOutput
+from elastic_hf.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving a request (not the caller's fault): HTTP 500, other requests continue."""
+
+
+class EngineDeadError(EngineError):
+    """The engine thread is not running (shut down, or never started)."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    """The asyncio side of one request: where the engine thread puts its outputs."""
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    accepted: asyncio.Future | None = None   # resolves once add_request ran on the engine thread
+    finished: bool = False
+
+    def put(self, item) -> bool:
+        """Thread-safe put; False when the loop is gone (its consumer can never read again)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            return True
+        except RuntimeError:  # loop closed
+            return False
+
+    def resolve(self, exc: BaseException | None) -> None:
+        def _set():
+            if self.accepted is not None and not self.accepted.done():
+                self.accepted.set_exception(exc) if exc is not None else self.accepted.set_result(None)
+        try:
+            self.loop.call_soon_threadsafe(_set)
+        except RuntimeError:
+            pass
+
+
+class RequestStream:
+    """Async iterator over one accepted request's outputs; aborts the request if iteration stops early."""
+
+    def __init__(self, owner: "AsyncEngine", stream: _Stream):
+        self._owner = owner
+        self._stream = stream
+        self.request_id = stream.request_id
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await self._stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            # Consumer went away (client disconnect, CancelledError, GeneratorExit, break): free its KV blocks now.
+            if not finished:
+                self._owner.abort(self.request_id)
+
+    def abort(self) -> None:
+        """For a stream that will never be iterated (e.g. a sibling prompt of the same HTTP request failed)."""
+        self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine, *, name: str = "elastic-hf-engine"):
+        self.engine = engine
+        self._name = name
+        self._cond = threading.Condition()
+        self._commands: list[tuple] = []
+        self._streams: dict[str, _Stream] = {}   # touched only on the engine thread
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats: dict = {}
+        self._num_step_errors = 0
+        self._last_error: str | None = None
+        self._ids = itertools.count()
+        self._id_prefix = uuid.uuid4().hex[:8]
+        self._refresh_stats()
+
+    # ---- properties the server reads ----
+    @property
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def metrics(self):
+        return self.engine.metrics
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def stats(self) -> dict:
+        """Last snapshot taken on the engine thread (refreshed after every step and every command batch)."""
+        return dict(self._stats)
+
+    # ---- lifecycle ----
+    def start(self) -> "AsyncEngine":
+        if self._thread is not None and self._thread.is_alive():
+            return self
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._thread = None
+
+    # ---- request API (any thread with a running event loop) ----
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{self._id_prefix}-{next(self._ids)}"
+
+    async def add_request(self, prompt: str | list[int], params: SamplingParams,
+                          request_id: str | None = None, arrival_time: float | None = None) -> RequestStream:
+        """Queue a request and wait until the engine accepted it. Raises ValueError for bad input (from
+        `LLMEngine.add_request`), EngineDeadError when the engine is not running."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        request_id = request_id or self.new_request_id()
+        stream = _Stream(request_id, loop, accepted=loop.create_future())
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        self._submit(("add", stream, prompt, params, arrival_time))
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # accepted or not, do not leave it running for nobody
+            raise
+        return RequestStream(self, stream)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come. ValueError for bad input surfaces at the first iteration;
+        stopping the iteration early aborts the request and frees its blocks."""
+        stream = await self.add_request(prompt, params, request_id)
+        async for out in stream:
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe, idempotent; a no-op for unknown or finished requests."""
+        self._submit(("abort", request_id))
+
+    # ---- engine thread ----
+    def _submit(self, command: tuple) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        log.info("engine thread started")
+        while True:
+            with self._cond:
+                while not self._commands and not self._stopping and not self._has_work():
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            for command in commands:
+                self._execute(command)
+            if stopping:
+                break
+            if self._has_work():
+                self._step()
+            self._refresh_stats()
+        self._fail_all(EngineDeadError("the engine shut down before the request finished"), include_pending=True)
+        log.info("engine thread stopped")
+
+    def _has_work(self) -> bool:
+        try:
+            return self.engine.has_unfinished_requests()
+        except Exception:  # a broken engine must not wedge the loop
+            log.exception("has_unfinished_requests failed")
+            return False
+
+    def _execute(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, stream, prompt, params, arrival_time = command
+            if self._stopping:
+                stream.resolve(EngineDeadError("the engine is shutting down"))
+                return
+            try:
+                self.engine.add_request(stream.request_id, prompt, params, arrival_time=arrival_time)
+            except ValueError as exc:
+                stream.resolve(exc)
+                return
+            except Exception as exc:
+                log.exception("add_request(%s) failed", stream.request_id)
+                stream.resolve(EngineError(f"engine failed to add the request: {exc}"))
+                return
+            self._streams[stream.request_id] = stream
+            stream.resolve(None)
+        elif kind == "abort":
+            request_id = command[1]
+            stream = self._streams.pop(request_id, None)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                log.exception("abort_request(%s) failed", request_id)
+            if stream is not None:
+                stream.finished = True
+
+    def _step(self) -> None:
+        steps_before = getattr(self.engine, "num_steps", None)
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # The batch state is unknown after a failed step: fail every in-flight request (each gets a 500),
+            # abort them in the engine so their blocks come back, and keep serving new requests.
+            self._num_step_errors += 1
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
+            self._fail_all(EngineError(f"engine step failed: {self._last_error}"))
+            return
+        if not outputs and steps_before is not None and getattr(self.engine, "num_steps", None) == steps_before:
+            # Nothing was schedulable (e.g. every request waits for blocks): wait for a command instead of
+            # spinning; the timeout retries in case the engine frees blocks on its own.
+            with self._cond:
+                if not self._commands and not self._stopping:
+                    self._cond.wait(0.01)
+            return
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            delivered = stream.put(out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+                stream.finished = True
+            elif not delivered:
+                self._streams.pop(out.request_id, None)
+                self._safe_abort(out.request_id)
+
+    def _fail_all(self, exc: BaseException, *, include_pending: bool = False) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            self._safe_abort(request_id)
+            stream.put(exc)
+        if include_pending:  # at shutdown nobody will execute the queued adds
+            with self._cond:
+                pending, self._commands = self._commands, []
+            for command in pending:
+                if command[0] == "add":
+                    command[1].resolve(exc)
+
+    def _safe_abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            log.exception("abort_request(%s) failed", request_id)
+
+    def _refresh_stats(self) -> None:
+        try:
+            stats = dict(self.engine.stats())
+        except Exception as exc:
+            stats = {"error": str(exc)}
+        stats["num_streams"] = len(self._streams)
+        stats["num_step_errors"] = self._num_step_errors
+        if self._last_error:
+            stats["last_step_error"] = self._last_error
+        self._stats = stats

@@ -1,0 +1,184 @@
+"""The step loop of one instance: requests in, one scheduled packed step at a time, RequestOutputs out.
+Not thread-safe: one thread drives it (AsyncEngine does this for the server)."""
+from __future__ import annotations
+
+import itertools
+import time
+
+from elastic_hf.engine.detokenizer import Detokenizer
+from elastic_hf.engine.metrics import EngineMetrics
+from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
+from elastic_hf.engine.sampler import make_sampler_state, sample
+from elastic_hf.engine.sampling_params import SamplingParams
+from elastic_hf.engine.scheduler import ScheduledSeq, Scheduler
+from elastic_hf.engine.sequence import Request, Sequence
+from elastic_hf.model.runner import ModelRunner, SeqStepInput
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, *, model_id: str, max_model_len: int,
+                 vocab_size: int, eos_token_ids: list[int], metrics: EngineMetrics | None = None):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
+        self.metrics = metrics or EngineMetrics(model_id)
+        self.detokenizer = Detokenizer(tokenizer)
+        self.requests: dict[str, Request] = {}
+        self._seq_counter = itertools.count()
+        self.num_steps = 0
+        self.num_computed_prompt_tokens = 0  # prefill work done, including recompute after preemption
+        self._reported_preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenize(prompt)
+        self._validate(prompt_ids, params)
+        now = arrival_time if arrival_time is not None else time.time()
+        seqs = [Sequence(next(self._seq_counter), request_id, i, list(prompt_ids), len(prompt_ids), params, now)
+                for i in range(params.n)]
+        for seq in seqs:
+            seq.sampler_state = make_sampler_state(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, now)
+        self.metrics.on_request_arrived()
+        self.metrics.on_prompt_tokens(len(prompt_ids))
+        self._update_gauges()
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        num_prompt = len(prompt_ids)
+        if num_prompt == 0:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if num_prompt > self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt} tokens but max_model_len is {self.max_model_len}")
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens exceeds "
+                             f"max_model_len={self.max_model_len}; ask for at most "
+                             f"{self.max_model_len - num_prompt} tokens")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        allocator = self.scheduler.allocator
+        block_size = self.scheduler.config.block_size
+        blocks_needed = -(-(num_prompt + params.max_tokens) // block_size)
+        if blocks_needed > allocator.num_total:
+            raise ValueError(f"request needs {blocks_needed} KV blocks ({num_prompt} prompt + {params.max_tokens} "
+                             f"new tokens) but the KV cache holds {allocator.num_total} blocks of {block_size} tokens")
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        self.metrics.on_request_finished("abort")
+        self._update_gauges()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            self._update_gauges()
+            return []
+        inputs = [SeqStepInput(s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens],
+                               s.seq.num_computed_tokens, s.seq.block_ids, s.completes_prompt) for s in scheduled]
+        logits = self.runner.execute(inputs)  # [num_sampling, vocab]
+        self.num_steps += 1
+
+        sampling: list[ScheduledSeq] = []
+        for s in scheduled:
+            if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:
+                self.num_computed_prompt_tokens += min(s.num_new_tokens,
+                                                       s.seq.num_prompt_tokens - s.seq.num_computed_tokens)
+            if s.completes_prompt:
+                sampling.append(s)
+            s.seq.num_computed_tokens += s.num_new_tokens
+        tokens = sample(logits, [s.seq for s in sampling]) if sampling else []
+
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for s, token in zip(sampling, tokens):
+            seq = s.seq
+            request = self.requests[seq.request_id]
+            seq.token_ids.append(token)
+            self.metrics.on_generation_tokens(1)
+            self._check_finished(seq, token)
+            touched[request.request_id] = request
+        for request in touched.values():
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.metrics.observe_ttft(now - request.arrival_time)
+            elif request.last_token_time is not None:
+                self.metrics.observe_tpot(now - request.last_token_time)
+            request.last_token_time = now
+        outputs = [self._make_output(r) for r in touched.values()]
+        self._update_gauges()
+        return outputs
+
+    def _check_finished(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        reason = None
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"
+            # The EOS / stop token is not part of the text; keep it out of the output like OpenAI does.
+            seq.token_ids.pop()
+        stopped_by_string = self.detokenizer.update(seq)
+        if reason is None and stopped_by_string:
+            reason = "stop"
+        if reason is None and (seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            finished = seq.is_finished
+            end = self.detokenizer.emittable_length(seq, finished)
+            out_ids = seq.output_token_ids
+            completions.append(CompletionOutput(
+                index=seq.index, text=seq.text[:end], token_ids=list(out_ids),
+                delta_text=seq.text[seq.num_emitted_chars:end],
+                delta_token_ids=list(out_ids[seq.num_emitted_tokens:]),
+                finish_reason=seq.finish_reason))
+            seq.num_emitted_chars = end
+            seq.num_emitted_tokens = len(out_ids)
+        finished = request.is_finished
+        if finished:
+            request.finish_time = time.time()
+            del self.requests[request.request_id]
+            self.metrics.on_request_finished(request.seqs[0].finish_reason)
+        return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished,
+                             request.arrival_time, request.first_token_time, request.finish_time)
+
+    # ------------------------------------------------------------------ visibility
+    def _update_gauges(self) -> None:
+        allocator = self.scheduler.allocator
+        self.metrics.set_kv_blocks(allocator.num_used, allocator.num_total)
+        self.metrics.set_queue(len(self.scheduler.waiting), len(self.scheduler.running))
+        new_preemptions = self.scheduler.num_preemptions - self._reported_preemptions
+        if new_preemptions:
+            self.metrics.on_preemption(new_preemptions)
+            self._reported_preemptions = self.scheduler.num_preemptions
+
+    def stats(self) -> dict:
+        allocator = self.scheduler.allocator
+        return {"kv_blocks_used": allocator.num_used, "kv_blocks_total": allocator.num_total,
+                "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+                "num_preemptions": self.scheduler.num_preemptions, "num_requests": len(self.requests),
+                "num_steps": self.num_steps, "num_computed_prompt_tokens": self.num_computed_prompt_tokens}

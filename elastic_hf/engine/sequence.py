@@ -1,0 +1,65 @@
+"""Torch-free request state. A request with n > 1 owns n sequences that share the prompt."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from elastic_hf.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int                       # 0..n-1 within its request
+    token_ids: list[int]             # prompt followed by the generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float
+    status: SeqStatus = SeqStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0     # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    text: str = ""                   # detokenized output, stop string removed
+    num_emitted_chars: int = 0       # of `text`, already handed out as deltas
+    num_emitted_tokens: int = 0
+    sampler_state: object = None     # per-sequence logits processors and RNG, owned by the sampler
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

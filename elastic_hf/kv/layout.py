@@ -1,0 +1,74 @@
+"""Head-centric KV page layout (AMOEBA §3.1, Gyges §4.1).
+
+One KV block holds `block_size` tokens of every layer:
+
+    arena block  = [num_layers, num_kv_heads, 2 (K/V), block_size, head_dim]
+    per layer    = [block, kv_head, K/V, token, head_dim]
+
+Keeping a KV head's tokens contiguous inside a block means a head range of a block is one contiguous byte range
+per layer: a TP transform moves or frees whole head ranges without touching the others.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    page_size: int
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def layer_numel(self) -> int:
+        return self.num_kv_heads * 2 * self.block_size * self.head_dim
+
+    @property
+    def block_payload_bytes(self) -> int:
+        return self.num_layers * self.layer_numel * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes a block occupies in the arena: padded to whole pages so a block commits/decommits alone, and to
+        whole head_dim rows so the arena can be indexed as one [rows, head_dim] matrix."""
+        unit = math.lcm(self.page_size, self.head_dim * self.itemsize)
+        return -(-self.block_payload_bytes // unit) * unit
+
+    @property
+    def rows_per_block(self) -> int:
+        """head_dim-sized rows per arena block."""
+        return self.block_numel // self.head_dim
+
+    @property
+    def rows_per_layer(self) -> int:
+        return self.num_kv_heads * 2 * self.block_size
+
+    @property
+    def block_numel(self) -> int:
+        return self.block_bytes // self.itemsize
+
+    def head_range_bytes(self, num_heads: int) -> int:
+        """Bytes of `num_heads` KV heads of one block in one layer (the unit a migration moves)."""
+        return num_heads * 2 * self.block_size * self.head_dim * self.itemsize
+
+
+def kv_stride_order() -> tuple[int, ...]:
+    """Dimension order of a per-layer KV view, outermost first: (block, kv_head, K/V, token, head_dim).
+    The attention kernel gathers blocks on dim 0 and reads each head's tokens as one contiguous [token, head_dim]
+    matrix."""
+    return (0, 1, 2, 3, 4)

@@ -1,0 +1,47 @@
+"""Data plane of a TP-1 worker: turns a scheduled step into one packed varlen forward of the HF model and
+returns the logits of the sequences that sample this step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from elastic_hf.kv.page_pool import KVPagePool
+from elastic_hf.kv.paged_batch import build_paged_batch
+
+
+@dataclass(slots=True)
+class SeqStepInput:
+    token_ids: list[int]   # the new tokens of this step (a prefill chunk, or the one last token when decoding)
+    num_computed: int      # tokens already in the KV cache
+    block_ids: list[int]
+    needs_logits: bool     # last chunk of a prefill, or a decode
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, pool: KVPagePool, sliding_window: int | None = None):
+        self.model = model
+        self.pool = pool
+        self.sliding_window = sliding_window
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def execute(self, inputs: list[SeqStepInput]) -> torch.Tensor:
+        """Returns logits [num_sampling_seqs, vocab] (fp32) in the order of the inputs that need logits."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        for seq in inputs:
+            input_ids.extend(seq.token_ids)
+            positions.extend(range(seq.num_computed, seq.num_computed + len(seq.token_ids)))
+            if seq.needs_logits:
+                logit_rows.append(len(input_ids) - 1)
+        batch = build_paged_batch(
+            self.pool, [(s.num_computed, len(s.token_ids), s.block_ids) for s in inputs], self.sliding_window)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0)  # [1, T]
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)   # [1, T]
+        # Only the last position of each sampling sequence goes through the LM head (49k vocab rows).
+        keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, paged_batch=batch)
+        return out.logits[0].float()  # [num_sampling_seqs, vocab]

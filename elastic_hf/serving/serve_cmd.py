@@ -1,0 +1,94 @@
+"""Run the OpenAI-compatible HTTP server (/v1/models, /v1/completions, /v1/chat/completions with SSE streaming,
+/health, /metrics) on one elastic-hf engine. With no MODEL it serves the embedded SmolLM2-135M-Instruct.
+It binds 127.0.0.1 unless --host says otherwise; use --api-key before exposing it to a network."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# Appended to help texts that explain their own default: the empty format keeps argparse's
+# ArgumentDefaultsHelpFormatter from adding a misleading "(default: None)".
+_OWN_DEFAULT = "%(default).0s"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="local Hugging Face checkpoint directory or .gguf file; omit for the embedded "
+                             "SmolLM2-135M-Instruct" + _OWN_DEFAULT)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind; the loopback default keeps the server private to this machine")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients send in 'model' and see in /v1/models (default: the model id)" + _OWN_DEFAULT)
+    parser.add_argument("--memory-budget", default=None,
+                        help="cap on committed bytes for weights + KV cache: bytes, a size like '2GiB', or a "
+                             "fraction of the device like '0.5' (default: weights + 1 GiB of KV)" + _OWN_DEFAULT)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + completion in tokens (default: what the model and KV cache allow, "
+                             "at most 8192)" + _OWN_DEFAULT)
+    parser.add_argument("--dtype", default=None, choices=("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
+                        help="weight and KV dtype (default: float32)" + _OWN_DEFAULT)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="most sequences in one running batch (default: engine default, 64)" + _OWN_DEFAULT)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one step; longer prompts are prefilled in chunks "
+                             "(default: engine default, 512)" + _OWN_DEFAULT)
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer <key>' on every /v1 route "
+                             "(default: $ELASTIC_HF_API_KEY; unset = no auth)" + _OWN_DEFAULT)
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                        help="largest accepted request body in bytes; larger bodies get HTTP 413")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level of server and engine")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """Only the options the user set, so ElasticModel keeps its own defaults for the rest."""
+    options = {}
+    if args.max_num_seqs is not None:
+        options["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens is not None:
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return options
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from elastic_hf.engine.async_engine import AsyncEngine
+    from elastic_hf.model.elastic_model import ElasticModel
+    from elastic_hf.serving.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        model = ElasticModel.from_pretrained(args.model, dtype=args.dtype, memory_budget=args.memory_budget,
+                                             max_model_len=args.max_model_len, **engine_options(args))
+    except (ValueError, OSError) as exc:  # bad flag values or a missing model: a message, not a traceback
+        print(f"elastic-hf serve: error: {exc}", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get("ELASTIC_HF_API_KEY") or None  # env keeps the key out of `ps`
+    async_engine = AsyncEngine(model.engine).start()
+    app = build_app(async_engine, api_key=api_key, model_id=args.served_model_name or model.model_id,
+                    max_body_bytes=args.max_body_bytes)
+    app.state.elastic_model = model  # admin endpoints of later issues reach the morph controls through it
+    logging.getLogger(__name__).info("serving %s on http://%s:%d (auth %s)", model.model_id, args.host, args.port,
+                                     "on" if api_key else "off")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m elastic_hf.serving.serve_cmd ...`: the serve subcommand alone (used by benchmarks/replay.py)."""
+    parser = argparse.ArgumentParser(prog="elastic-hf serve", description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

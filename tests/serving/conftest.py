@@ -1,0 +1,38 @@
+"""Fixtures of the serving tests: real uvicorn servers over real ElasticModels (see serving_helpers.py)."""
+from __future__ import annotations
+
+import pytest
+
+from serving_helpers import API_KEY, PROMPTS, TINY_MAX_MODEL_LEN, make_tiny_llama, start_server
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    from elastic_hf.model.loader import resolve_model
+
+    tokenizer_dir = resolve_model(None).checkpoint_dir
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_checkpoint):
+    """One server over the tiny model for the whole session, with an API key (auth is part of every test)."""
+    from elastic_hf.model.elastic_model import ElasticModel
+
+    model = ElasticModel.from_pretrained(tiny_checkpoint, max_model_len=TINY_MAX_MODEL_LEN,
+                                         kv_cache_memory=64 << 20, max_num_seqs=64, max_num_batched_tokens=512)
+    handle, stop = start_server(model, api_key=API_KEY, prompts=PROMPTS, chats=["Hi there!", "Tell me a joke."])
+    yield handle
+    stop()
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    """The embedded SmolLM2-135M-Instruct, for a quality check through the real client."""
+    from elastic_hf.model.elastic_model import ElasticModel
+
+    model = ElasticModel.from_pretrained(None, max_model_len=2048, kv_cache_memory=256 << 20)
+    handle, stop = start_server(model, prompts=["The capital of France is"],
+                                chats=["What is the capital of France? Answer in one word."])
+    yield handle
+    stop()

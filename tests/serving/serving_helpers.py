@@ -1,0 +1,137 @@
+"""Helpers of the serving tests (fixtures live in conftest.py): real servers, i.e. uvicorn in a background
+thread of the test process, on a free loopback port, over a real ElasticModel. Most tests use a tiny random-weight Llama (with the default model's real
+tokenizer, so text and chat templates are real); one module uses the default model for a quality check.
+
+Reference outputs are computed with the same engine, synchronously, before the server takes it over: "the
+server's greedy output equals the engine's own greedy output" then compares like with like."""
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+TINY_MAX_MODEL_LEN = 1024
+API_KEY = "test-key-123"
+# Prompts of mixed lengths; every test that checks text picks from these so references are computed once.
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived a",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "The history of the Roman Empire spans more than a thousand years, from the founding of the city",
+    "Hello",
+    "In machine learning, a transformer is",
+    "Paris is the capital of",
+]
+MAX_TOKENS = 24
+
+
+@dataclass
+class Server:
+    base_url: str
+    model_id: str
+    model: object            # ElasticModel
+    async_engine: object     # AsyncEngine
+    api_key: str | None
+    reference: dict = field(default_factory=dict)   # prompt -> greedy text of MAX_TOKENS tokens
+    chat_reference: dict = field(default_factory=dict)  # user message -> greedy text
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def stats(self) -> dict:
+        return self.async_engine.stats()
+
+    def wait_idle(self, timeout: float = 60.0) -> dict:
+        """Wait (bounded) until the engine holds no request and no KV block; returns the last stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if stats.get("kv_blocks_used") == 0 and stats.get("num_requests", 0) == 0 \
+                    and stats.get("num_streams") == 0:
+                return stats
+            if time.monotonic() > deadline:
+                return stats
+            time.sleep(0.02)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """Value of one sample of /metrics, e.g. metric("elastic_hf_requests_finished_total", 'finish_reason="abort"')."""
+        text = httpx.get(self.base_url + "/metrics", timeout=30).text
+        for line in text.splitlines():
+            if line.startswith(name + ("{" if labels else " ")) and (not labels or labels in line):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(f"{name}{{{labels}}} not in /metrics")
+
+
+def make_tiny_llama(directory, tokenizer_dir) -> str:
+    """A 2-layer random-weight Llama with the default model's 49152-token vocabulary and tokenizer."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(directory)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, directory / name)
+    return str(directory)
+
+
+def _free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def _greedy_references(model, prompts, chats) -> tuple[dict, dict]:
+    outs = model.generate(list(prompts), max_tokens=MAX_TOKENS, temperature=0.0)
+    reference = {p: o.outputs[0].text for p, o in zip(prompts, outs)}
+    chat_reference = {}
+    for message in chats:
+        out = model.chat([{"role": "user", "content": message}], max_tokens=MAX_TOKENS, temperature=0.0)
+        chat_reference[message] = out.outputs[0].text
+    return reference, chat_reference
+
+
+def start_server(model, *, api_key=None, prompts=(), chats=(), max_body_bytes=64 * 1024):
+    import uvicorn
+
+    from elastic_hf.engine.async_engine import AsyncEngine
+    from elastic_hf.serving.app import build_app
+
+    reference, chat_reference = _greedy_references(model, prompts, chats)
+    async_engine = AsyncEngine(model.engine).start()
+    app = build_app(async_engine, api_key=api_key, model_id=model.model_id, max_body_bytes=max_body_bytes)
+    sock = _free_socket()
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                                           timeout_keep_alive=30))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="uvicorn")
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start within 30 s")
+        time.sleep(0.01)
+    handle = Server(f"http://127.0.0.1:{port}", model.model_id, model, async_engine, api_key, reference,
+                    chat_reference)
+
+    def stop():
+        server.should_exit = True
+        thread.join(10)
+        async_engine.shutdown()
+        sock.close()
+
+    return handle, stop
+
+

@@ -1,0 +1,152 @@
+"""AsyncEngine over a scripted fake engine: errors reach the right caller, a failed step does not stop the loop,
+an abandoned stream is aborted, and an idle engine thread sleeps instead of polling."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+from elastic_hf.engine.async_engine import AsyncEngine, EngineError
+from elastic_hf.engine.metrics import EngineMetrics
+from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
+from elastic_hf.engine.sampling_params import SamplingParams
+
+
+class FakeEngine:
+    """One token per step per request; `fail_steps` makes the next steps raise."""
+    model_id, max_model_len, tokenizer = "fake", 100, None
+
+    def __init__(self):
+        self.metrics = EngineMetrics("fake")
+        self.requests: dict[str, list] = {}
+        self.aborted: list[str] = []
+        self.fail_steps = 0
+        self.num_steps = 0
+        self.num_polls = 0
+
+    def add_request(self, request_id, prompt, params, arrival_time=None):
+        if not prompt:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        self.requests[request_id] = [params.max_tokens, []]
+
+    def abort_request(self, request_id):
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self):
+        self.num_polls += 1
+        return bool(self.requests)
+
+    def step(self):
+        self.num_steps += 1
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("simulated kernel failure")
+        outputs = []
+        for request_id, (max_tokens, tokens) in list(self.requests.items()):
+            tokens.append(len(tokens))
+            done = len(tokens) >= max_tokens
+            outputs.append(RequestOutput(request_id, [1], [CompletionOutput(
+                0, text="t" * len(tokens), token_ids=list(tokens), delta_text="t", delta_token_ids=[tokens[-1]],
+                finish_reason="length" if done else None)], done))
+            if done:
+                del self.requests[request_id]
+        return outputs
+
+    def stats(self):
+        return {"kv_blocks_used": len(self.requests), "kv_blocks_total": 10, "num_requests": len(self.requests)}
+
+
+@pytest.fixture
+def engine():
+    fake = FakeEngine()
+    async_engine = AsyncEngine(fake).start()
+    yield async_engine, fake
+    async_engine.shutdown()
+
+
+async def _collect(async_engine, prompt, max_tokens):
+    return [out async for out in async_engine.generate(prompt, SamplingParams(max_tokens=max_tokens))]
+
+
+def test_outputs_arrive_in_order_and_finish(engine):
+    async_engine, _ = engine
+    outs = asyncio.run(_collect(async_engine, "hi", 5))
+    assert [o.outputs[0].token_ids[-1] for o in outs] == [0, 1, 2, 3, 4]
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_value_error_surfaces_at_first_iteration(engine):
+    async_engine, _ = engine
+    with pytest.raises(ValueError, match="prompt is empty"):
+        asyncio.run(_collect(async_engine, "", 5))
+
+
+def test_failed_step_fails_in_flight_requests_and_keeps_serving(engine):
+    async_engine, fake = engine
+    fake.fail_steps = 1
+    with pytest.raises(EngineError, match="simulated kernel failure"):
+        asyncio.run(_collect(async_engine, "hi", 50))
+    assert fake.requests == {}, "the failed request still holds engine state"
+    outs = asyncio.run(_collect(async_engine, "again", 3))
+    assert outs[-1].finished
+    assert async_engine.stats()["num_step_errors"] == 1
+
+
+def test_abandoned_stream_is_aborted(engine):
+    async_engine, fake = engine
+
+    async def consume_two():
+        async with contextlib.aclosing(async_engine.generate("hi", SamplingParams(max_tokens=10**6))) as stream:
+            async for out in stream:
+                if len(out.outputs[0].token_ids) >= 2:
+                    return out.request_id
+
+    request_id = asyncio.run(consume_two())
+    deadline = time.monotonic() + 10
+    while request_id not in fake.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert request_id in fake.aborted
+
+
+def test_cancelled_consumer_aborts(engine):
+    async_engine, fake = engine
+
+    async def cancel_midway():
+        task = asyncio.ensure_future(_collect(async_engine, "hi", 10**6))
+        while not fake.requests:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    deadline = time.monotonic() + 10
+    while not fake.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(fake.aborted) == 1 and fake.requests == {}
+
+
+def test_idle_engine_thread_sleeps(engine):
+    async_engine, fake = engine
+    asyncio.run(_collect(async_engine, "hi", 3))
+    steps, polls = fake.num_steps, fake.num_polls
+    time.sleep(0.3)
+    # A spinning loop would poll thousands of times in 0.3 s; a sleeping one not at all.
+    assert fake.num_steps == steps
+    assert fake.num_polls - polls <= 2
+
+
+def test_shutdown_fails_pending_requests(engine):
+    async_engine, _ = engine
+
+    async def run():
+        stream = await async_engine.add_request("hi", SamplingParams(max_tokens=10**6))
+        async_engine.shutdown()
+        with pytest.raises(EngineError):
+            async for _ in stream:
+                pass
+
+    asyncio.run(run())
