@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from elastic_hf.layers.awq import AwqConfig, fold_awq_scales, search_awq_scales
 from elastic_hf.layers.quant_linear import empty_quant_linear, is_quant_linear, quantize_linear, reference_linear
-from elastic_hf.layers.quant_scheme import QuantScheme
+from elastic_hf.layers.quant_scheme import QuantScheme, fake_quantize
 
 VARIANT_FORMAT = "elastic-hf-layer-variant/1"
 
@@ -46,31 +47,52 @@ def _replace(layer: nn.Module, name: str, module: nn.Module) -> None:
 def quantize_decoder_layer(layer: nn.Module, adapter, scheme: QuantScheme, hf_config=None,
                            awq_scales=None) -> nn.Module:
     """A quantized deep copy of `layer` (the original is untouched). Pass `awq_scales` (with hf_config) for AWQ."""
+    return _quantize(layer, adapter, scheme, hf_config, awq_scales, with_reference=False)[0]
+
+
+def _quantize(layer, adapter, scheme, hf_config, awq_scales, with_reference: bool):
     for name in adapter.linear_names():
         scheme.check_in_features(layer.get_submodule(name).in_features, name)
     quantized = copy.deepcopy(layer)
     if awq_scales is not None:
         fold_awq_scales(quantized, adapter, hf_config, awq_scales)
+    # The reference copy gets fake_quantize(W): the very numbers the QuantLinear stores (same q, scales, zeros),
+    # computed here without unpacking the kernel layout again.
+    reference = copy.deepcopy(quantized) if with_reference else None
     for name in adapter.linear_names():
-        _replace(quantized, name, quantize_linear(quantized.get_submodule(name), scheme, name))
+        linear = quantized.get_submodule(name)
+        _replace(quantized, name, quantize_linear(linear, scheme, name))
+        if reference is not None:
+            reference_linear_ = reference.get_submodule(name)
+            reference_linear_.weight.data.copy_(fake_quantize(reference_linear_.weight.data, scheme))
     quantized.quant_scheme = scheme
-    return quantized.eval().requires_grad_(False)
+    if reference is not None:
+        reference.quant_scheme = scheme
+        reference = reference.eval().requires_grad_(False)
+    return quantized.eval().requires_grad_(False), reference
+
+
+@dataclass(slots=True)
+class CalibratedLayer:
+    quantized: nn.Module                 # QuantLinear (int kernel) variant: what gets served
+    reference: nn.Module | None          # fp32 copy with the dequantized weights (offline tools), if asked for
+    fp_output: torch.Tensor | None       # the full-precision layer's output on the calibration input, if run
 
 
 def calibrate_and_quantize(layer: nn.Module, adapter, hf_config, scheme: QuantScheme,
                            hidden_states: torch.Tensor | None = None, layer_kwargs: dict | None = None,
-                           awq_config: AwqConfig | None = None) -> tuple[nn.Module, torch.Tensor | None]:
+                           awq_config: AwqConfig | None = None, with_reference: bool = False) -> CalibratedLayer:
     """RTN needs no data; AWQ searches its scales on hidden_states [batch, seq, hidden] (the layer's
-    full-precision input on calibration text). Returns (quantized layer, full-precision output on
-    hidden_states, or None when the layer was not run)."""
+    full-precision input on calibration text) and reports the full-precision output it computed on the way."""
     if scheme.method == "rtn":
-        return quantize_decoder_layer(layer, adapter, scheme), None
+        quantized, reference = _quantize(layer, adapter, scheme, hf_config, None, with_reference)
+        return CalibratedLayer(quantized, reference, None)
     if hidden_states is None or layer_kwargs is None:
         raise ValueError("method='awq' needs calibration hidden_states and layer_kwargs; use method='rtn' without data")
     scales, output = search_awq_scales(layer, adapter, hf_config, hidden_states, layer_kwargs, scheme, awq_config)
-    quantized = quantize_decoder_layer(layer, adapter, scheme, hf_config, scales)
+    quantized, reference = _quantize(layer, adapter, scheme, hf_config, scales, with_reference)
     quantized.awq_scales = scales
-    return quantized, output
+    return CalibratedLayer(quantized, reference, output)
 
 
 def reference_layer(quantized: nn.Module) -> nn.Module:

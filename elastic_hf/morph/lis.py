@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from elastic_hf.layers.awq import AwqConfig
 from elastic_hf.layers.quant_scheme import QuantScheme
-from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs, reference_layer
+from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs
 
 PROFILE_FORMAT = "elastic-hf-lis-profile/1"
 # Config fields that do not change the network's function (or are not stable across loads).
@@ -250,10 +250,11 @@ def profile_lis(model: nn.Module, adapter, calib_ids: torch.Tensor, scheme: Quan
     hidden = model.get_submodule(adapter.embed_tokens)(calib_ids).float()  # [samples, seq, hidden]
     mds_inputs = [hidden[: config.mds_samples]]
     for i, layer in enumerate(layers):
-        variant, output = calibrate_and_quantize(layer, adapter, model.config, scheme, hidden, kwargs_all, awq_config)
+        calibrated = calibrate_and_quantize(layer, adapter, model.config, scheme, hidden, kwargs_all, awq_config,
+                                            with_reference=True)
+        variant, reference, output = calibrated.quantized, calibrated.reference, calibrated.fp_output
         if output is None:
             output = layer(hidden, **kwargs_all)
-        reference = reference_layer(variant)
         quantized_output = reference(hidden, **kwargs_all)
         lts.append(_cosine(output, hidden))
         lrs.append(_cosine(output, quantized_output))
@@ -261,7 +262,7 @@ def profile_lis(model: nn.Module, adapter, calib_ids: torch.Tensor, scheme: Quan
         hidden = output
         mds_inputs.append(hidden[: config.mds_samples])
         bar.update(1)
-    calibrated = time.perf_counter()
+    calibrated_at = time.perf_counter()
 
     state = _GreedyState(layers, references, final_norm, kwargs_mds, mds_inputs)
     bar.set_description("LIS: greedy selection")
@@ -293,7 +294,7 @@ def profile_lis(model: nn.Module, adapter, calib_ids: torch.Tensor, scheme: Quan
     profile = LisProfile(
         model_id=model_id, config_hash=config_hash(model.config), num_layers=num_layers, scheme=scheme,
         config=config, order=[s.layer for s in steps], steps=steps, lts=lts, lrs=lrs, calib_file=calib_file,
-        timings={"quantize_and_local_s": round(calibrated - started, 3),
-                 "greedy_s": round(finished - calibrated, 3), "total_s": round(finished - started, 3),
+        timings={"quantize_and_local_s": round(calibrated_at - started, 3),
+                 "greedy_s": round(finished - calibrated_at, 3), "total_s": round(finished - started, 3),
                  "greedy_layer_forwards": state.layer_forwards})
     return LisResult(profile=profile, variants=variants, references=references)

@@ -14,7 +14,7 @@ import torch
 
 from elastic_hf.layers.awq import AwqConfig
 from elastic_hf.layers.quant_scheme import QuantScheme
-from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs, reference_layer
+from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs
 from elastic_hf.morph.lis import LisConfig, calibration_batch, fallback_order, load_profile, profile_lis
 from elastic_hf.morph.perplexity import (PerplexityEvaluator, eval_windows, held_out_split, order_sweep,
                                          tokenize_file)
@@ -100,9 +100,10 @@ def _build_variants(model, adapter, scheme, calib_ids, awq_config):
     hidden = model.get_submodule(adapter.embed_tokens)(calib_ids).float()  # [samples, seq, hidden]
     references = {}
     for i, layer in enumerate(layers):
-        variant, output = calibrate_and_quantize(layer, adapter, model.config, scheme, hidden, kwargs, awq_config)
-        references[i] = reference_layer(variant)
-        hidden = output if output is not None else layer(hidden, **kwargs)
+        calibrated = calibrate_and_quantize(layer, adapter, model.config, scheme, hidden, kwargs, awq_config,
+                                            with_reference=True)
+        references[i] = calibrated.reference
+        hidden = calibrated.fp_output if calibrated.fp_output is not None else layer(hidden, **kwargs)
     return references
 
 

@@ -29,8 +29,15 @@ def tiny_model(model_type: str = "llama", seed: int = 0, **kwargs):
     return model
 
 
+@pytest.fixture
+def make_tiny_model():
+    """make_tiny_model("llama" | "qwen2", seed=0, **shape) -> a tiny random-weight HF model (eval, no grad)."""
+    return tiny_model
+
+
 @pytest.fixture(scope="session")
-def default_model():
+def hf_default_model():
+    """(HF model, tokenizer, ResolvedModel) of the embedded default model, loaded once for this folder."""
     from elastic_hf.model.loader import load_model_and_tokenizer
     model, tokenizer, resolved = load_model_and_tokenizer()
     return model, tokenizer, resolved

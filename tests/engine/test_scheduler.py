@@ -1,0 +1,62 @@
+"""Torch-free scheduler: token budget, chunked prefill, admission, preemption by recompute, block release."""
+from elastic_hf.engine.sampling_params import SamplingParams
+from elastic_hf.engine.scheduler import Scheduler, SchedulerConfig
+from elastic_hf.engine.sequence import Sequence, SeqStatus
+from elastic_hf.kv.block_allocator import BlockAllocator
+
+
+def _seq(i, prompt_len):
+    return Sequence(i, f"r{i}", 0, list(range(prompt_len)), prompt_len, SamplingParams(max_tokens=100), 0.0)
+
+
+def _advance(scheduled):
+    for s in scheduled:
+        s.seq.num_computed_tokens += s.num_new_tokens
+        if s.seq.num_computed_tokens == len(s.seq.token_ids):
+            s.seq.token_ids.append(7)  # a sampled token
+
+
+def test_chunked_prefill_respects_token_budget():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, block_size=4), BlockAllocator(range(32)))
+    a, b = _seq(0, 25), _seq(1, 3)
+    sched.add(a), sched.add(b)
+    steps = []
+    while a.num_computed_tokens < 25:
+        scheduled = sched.schedule()
+        assert sum(s.num_new_tokens for s in scheduled) <= 10
+        steps.append([(s.seq.seq_id, s.num_new_tokens) for s in scheduled])
+        _advance(scheduled)
+    assert steps[0] == [(0, 10)]
+    assert steps[1] == [(0, 10)]
+    assert steps[2] == [(0, 5), (1, 3)]
+
+
+def test_preemption_by_recompute_frees_blocks_and_requeues_youngest():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4), BlockAllocator(range(4)))
+    old, young = _seq(0, 8), _seq(1, 7)
+    sched.add(old), sched.add(young)
+    _advance(sched.schedule())  # both admitted: 2 + 2 blocks, 9 and 8 tokens now
+    assert sched.allocator.num_free == 0
+    scheduled = sched.schedule()  # old needs a third block: young is preempted
+    assert [s.seq for s in scheduled] == [old]
+    assert young.status is SeqStatus.WAITING and young.num_computed_tokens == 0 and young.block_ids == []
+    assert young.token_ids[-1] == 7  # its generated token stays and is recomputed
+    assert sched.num_preemptions == 1 and sched.waiting[0] is young
+
+
+def test_finish_releases_blocks_at_once():
+    alloc = BlockAllocator(range(8))
+    sched = Scheduler(SchedulerConfig(block_size=4), alloc)
+    seq = _seq(0, 10)
+    sched.add(seq)
+    sched.schedule()
+    assert alloc.num_used == 3
+    sched.finish(seq, "abort")
+    assert alloc.num_used == 0 and seq.status is SeqStatus.FINISHED and not sched.has_work()
+
+
+def test_max_num_seqs_caps_admission():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, block_size=4), BlockAllocator(range(64)))
+    for i in range(5):
+        sched.add(_seq(i, 3))
+    assert len(sched.schedule()) == 2 and len(sched.waiting) == 3
