@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from elastic_hf.memory.cuda_arena import CudaPageArena
 
 __all__ = [
+    "default_page_size",
     "PageArena", "CpuPageArena", "CudaPageArena", "MemoryBudget", "MemoryBudgetExceeded", "create_arena",
     "round_up_to_page", "parse_memory_budget", "device_total_bytes", "cpu_total_bytes", "format_bytes",
     "process_rss_bytes",
@@ -23,11 +24,12 @@ __all__ = [
 
 
 def create_arena(device: torch.device | str, capacity_bytes: int, budget: MemoryBudget, owner: str,
-                 page_size: int | None = None) -> PageArena:
-    """An arena of the backend matching device.type; page_size None means the backend's natural page."""
+                 page_size: int | None = None, huge_pages: bool = False) -> PageArena:
+    """An arena of the backend matching device.type; page_size None means the backend's natural page.
+    huge_pages asks the CPU backend for transparent huge pages (CUDA granules are 2 MiB already)."""
     device = torch.device(device)
     if device.type == "cpu":
-        return CpuPageArena(capacity_bytes, budget, owner, page_size=page_size)
+        return CpuPageArena(capacity_bytes, budget, owner, page_size=page_size, huge_pages=huge_pages)
     if device.type == "cuda":
         from elastic_hf.memory.cuda_arena import CudaPageArena
 
@@ -42,3 +44,15 @@ def __getattr__(name: str):
 
         return CudaPageArena
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def default_page_size(device: torch.device | str) -> int:
+    """The backend's natural page: the OS page on CPU, the VMM allocation granularity on CUDA."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        import mmap
+
+        return mmap.PAGESIZE
+    if device.type == "cuda":
+        return 2 << 20  # the VMM minimum granularity of current NVIDIA GPUs; CudaPageArena checks it
+    raise ValueError(f"no PageArena backend for device type {device.type!r} (cpu or cuda)")

@@ -16,7 +16,7 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 class CpuPageArena(PageArena):
     def __init__(self, capacity_bytes: int, budget: MemoryBudget, owner: str, page_size: int | None = None,
-                 prefault: bool = False) -> None:
+                 prefault: bool = False, huge_pages: bool = False) -> None:
         os_page = mmap.PAGESIZE
         page_size = os_page if page_size is None else page_size
         if page_size % os_page:
@@ -34,6 +34,14 @@ class CpuPageArena(PageArena):
         # was given. Handing it this memoryview instead of the mmap makes every view hold an export, so
         # mmap.close() refuses (BufferError) to unmap memory under a live tensor instead of segfaulting.
         self._buffer = memoryview(self._mmap)
+        if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+            # Transparent huge pages for large read-mostly ranges (weights): 512x fewer page faults on load and
+            # fewer TLB misses when every decode step streams all weights. Decommit still works per 4 KiB page
+            # (the kernel splits a huge page when part of it is dropped).
+            try:
+                self._mmap.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass  # THP disabled on this kernel: plain pages work the same, only slower to fault
 
     def _commit_pages(self, first: int, end: int) -> None:
         # Anonymous memory is already readable (zero pages); committing is bookkeeping unless prefaulting.

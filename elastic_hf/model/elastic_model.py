@@ -19,7 +19,8 @@ from elastic_hf.engine.scheduler import Scheduler, SchedulerConfig
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_attention import register_paged_attention
-from elastic_hf.memory import MemoryBudget, create_arena, device_total_bytes, format_bytes, parse_memory_budget
+from elastic_hf.memory import (MemoryBudget, create_arena, default_page_size, device_total_bytes, format_bytes,
+                               parse_memory_budget)
 from elastic_hf.model.loader import load_hf_model, parse_dtype, resolve_model
 from elastic_hf.model.runner import ModelRunner
 from elastic_hf.model.weight_placement import place_weights, weights_capacity_bytes
@@ -82,9 +83,7 @@ class ElasticModel:
         layers = adapter.decoder_layers(hf_model)
 
         # Page size and the two arenas. The budget ledger is shared: a morph moves bytes from one to the other.
-        probe_budget = MemoryBudget(1 << 62)
-        page_size = create_arena(device, 1 << 21, probe_budget, "probe", engine_options.page_size)
-        page_size, _ = page_size.page_size, page_size.close()
+        page_size = engine_options.page_size or default_page_size(device)
         weight_bytes = weights_capacity_bytes(hf_model, layers, page_size)
         num_heads, num_kv_heads, head_dim = adapter.head_counts(config)
         layout = KVLayout(config.num_hidden_layers, num_kv_heads, head_dim, engine_options.block_size,
@@ -102,7 +101,7 @@ class ElasticModel:
                 f"cache after {format_bytes(weight_bytes)} of weights; one KV block needs "
                 f"{format_bytes(layout.block_bytes)}")
         budget = MemoryBudget(budget_bytes)
-        weights_arena = create_arena(device, weight_bytes, budget, "weights", page_size)
+        weights_arena = create_arena(device, weight_bytes, budget, "weights", page_size, huge_pages=True)
         placement = place_weights(hf_model, layers, weights_arena)
         # The KV arena reserves room for the whole budget: morphs may hand it every byte weights give up.
         max_blocks = budget_bytes // layout.block_bytes
