@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model to serve with --start-server, and whose tokenizer builds "
                                                   "the prompts (default: the embedded default model)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer for the prompts (default: --model's)")
-    ap.add_argument("--api-key", default=os.environ.get("ELASTIC_HF_API_KEY"), help="bearer key of the server")
+    ap.add_argument("--api-key", default=None, help="bearer key of the server (else $ELASTIC_HF_API_KEY)")
     ap.add_argument("--serve-args", default="", help="extra flags for elastic-hf serve, one string")
     ap.add_argument("--trace", default=None, help=f"trace CSV (default: ../shared/data/{TRACE_NAME})")
     ap.add_argument("--start", type=int, default=0, help="first trace row to replay")
@@ -352,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     scaled = scale_trace(rows, scale)
     requests = build_requests(scaled, _load_tokenizer(args.tokenizer or args.model), seed=args.seed)
     span = scaled[-1].arrival_s
-    print(f"machine: {machine_description()}")
+    # The load average matters on a shared machine: other processes take cores from the server.
+    print(f"machine: {machine_description()}, load average {os.getloadavg()[0]:.1f} at start")
     print(f"trace: {TRACE_NAME} rows {args.start}..{args.start + len(rows) - 1} "
           f"({rows[-1].arrival_s:.1f} s of trace, {len(rows) / max(rows[-1].arrival_s, 1e-9):.2f} req/s)")
     print(f"scale factors: {scale.describe()}")
@@ -367,12 +368,13 @@ def main(argv: list[str] | None = None) -> int:
         server = ServerProcess(serve_args)
         base_url = server.base_url
     try:
-        report = run_replay(base_url, requests, api_key=args.api_key, ttft_slo_s=args.ttft_slo,
+        api_key = args.api_key or os.environ.get("ELASTIC_HF_API_KEY")
+        report = run_replay(base_url, requests, api_key=api_key, ttft_slo_s=args.ttft_slo,
                             tpot_slo_s=args.tpot_slo, progress=not args.no_progress)
     finally:
         if server is not None:
             server.stop()
-    print(f"server: {base_url}, model {report.meta['model']}")
+    print(f"server: {base_url}, model {report.meta['model']}, load average {os.getloadavg()[0]:.1f} at end")
     print(report.summary())
     for line in report.result_lines():
         print(line)

@@ -51,11 +51,11 @@ def run_hf_generate_batch(prompts, max_new_tokens, checkpoint_dir) -> tuple[floa
                                                  attn_implementation="paged|sdpa")
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1,
                               min_new_tokens=max_new_tokens)
-    with torch.inference_mode():
-        model.generate_batch(prompts[:2], generation_config=config, max_new_tokens=4)
-        start = time.perf_counter()
-        results = model.generate_batch(prompts, generation_config=config, max_new_tokens=max_new_tokens)
-        elapsed = time.perf_counter() - start
+    # generate_batch runs its own generation thread and manages inference mode itself.
+    model.generate_batch(prompts[:2], generation_config=config, max_new_tokens=4)
+    start = time.perf_counter()
+    results = model.generate_batch(prompts, generation_config=config, max_new_tokens=max_new_tokens)
+    elapsed = time.perf_counter() - start
     return elapsed, sum(len(r.generated_tokens) for r in results.values())
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 from elastic_hf.engine.detokenizer import Detokenizer
 from elastic_hf.engine.metrics import EngineMetrics
@@ -32,6 +33,12 @@ class LLMEngine:
         self.num_steps = 0
         self.num_computed_prompt_tokens = 0  # prefill work done, including recompute after preemption
         self._reported_preemptions = 0
+        # Called at every step boundary, before scheduling: morph controllers apply finished swaps and resize the
+        # KV cache here, where no forward pass is running.
+        self.step_boundary_hooks: list[Callable[[LLMEngine], None]] = []
+        # Work that needs step boundaries even with no requests (a swap in flight, layers to restore once the load
+        # is gone): has_unfinished_requests() reports it, so a driver keeps calling step().
+        self.idle_work_checks: list[Callable[[], bool]] = []
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -87,10 +94,12 @@ class LLMEngine:
         self._update_gauges()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or any(check() for check in self.idle_work_checks)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        for hook in self.step_boundary_hooks:
+            hook(self)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             self._update_gauges()

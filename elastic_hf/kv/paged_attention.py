@@ -51,9 +51,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         k_rows = d.k_rows + layer_offset
         k = rows.index_select(0, k_rows).view(d.num_seqs, num_kv_heads, d.max_ctx, head_dim)
         v = rows.index_select(0, k_rows + v_offset).view(d.num_seqs, num_kv_heads, d.max_ctx, head_dim)
-        q = query[0].index_select(1, d.rows).transpose(0, 1).unsqueeze(2)  # [B, num_heads, 1, hd]
+        rows_slice = slice(d.first_row, d.first_row + d.num_seqs)
+        q = query[0, :, rows_slice].transpose(0, 1).unsqueeze(2)  # [B, num_heads, 1, hd]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=scaling, enable_gqa=True)
-        out[d.rows] = o.squeeze(2)
+        out[rows_slice] = o.squeeze(2)                              # [B, num_heads, hd]
     return out.unsqueeze(0), None
 
 

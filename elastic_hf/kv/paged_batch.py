@@ -25,7 +25,7 @@ class PrefillSlice:
 @dataclass(slots=True)
 class DecodeGroup:
     """All sequences with exactly one new token, attended in one batched call over padded contexts."""
-    rows: torch.Tensor                 # [num_decodes] their rows in the packed batch
+    first_row: int                     # decodes occupy rows [first_row, first_row + num_seqs) of the batch
     k_rows: torch.Tensor               # [num_decodes * kv_heads * max_ctx] K rows (layer 0)
     num_seqs: int
     max_ctx: int
@@ -102,6 +102,8 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
         mask = None
         if min(decode_lens) != max_ctx:
             mask = (positions < lens[:, None])[:, None, None, :]
-        decodes = DecodeGroup(torch.tensor(decode_rows), _k_rows(pool, table, positions).flatten(),
-                              len(decode_rows), max_ctx, mask)
+        if decode_rows != list(range(decode_rows[0], decode_rows[0] + len(decode_rows))):
+            raise ValueError(f"decodes must be contiguous in the packed batch, got rows {decode_rows[:8]}...")
+        decodes = DecodeGroup(decode_rows[0], _k_rows(pool, table, positions).flatten(), len(decode_rows),
+                              max_ctx, mask)
     return PagedBatch(pool, write_k_rows, prefills, decodes, row)

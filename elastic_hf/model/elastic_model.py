@@ -24,6 +24,7 @@ from elastic_hf.memory import (MemoryBudget, create_arena, default_page_size, de
 from elastic_hf.model.loader import load_hf_model, parse_dtype, resolve_model
 from elastic_hf.model.runner import ModelRunner
 from elastic_hf.model.weight_placement import place_weights, weights_capacity_bytes
+from elastic_hf.morph.builder import MorphOptions, prepare_morph
 from elastic_hf.patches import get_adapter
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class EngineOptions:
 
 class ElasticModel:
     def __init__(self, hf_model, tokenizer, engine: LLMEngine, *, model_id: str, budget: MemoryBudget,
-                 weights_arena, kv_pool: KVPagePool, placement, adapter, checkpoint_dir):
+                 weights_arena, kv_pool: KVPagePool, placement, adapter, checkpoint_dir, morph=None):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.engine = engine
@@ -59,19 +60,25 @@ class ElasticModel:
         self.placement = placement
         self.adapter = adapter
         self.checkpoint_dir = checkpoint_dir
+        self.morph = morph  # MorphManager (morph.to_precision, morph.state) or None when morph="off"
         self._request_counter = itertools.count()
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None,
                         memory_budget: int | float | str | None = None, max_model_len: int | None = None,
-                        device: str | torch.device = "cpu", **options) -> "ElasticModel":
+                        device: str | torch.device = "cpu", morph: str = "off", profile: str | None = None,
+                        morph_options: dict | None = None, **options) -> "ElasticModel":
         """Load a local HF checkpoint dir, a .gguf file, or (None) the embedded SmolLM2-135M-Instruct.
 
         memory_budget caps the bytes committed in this instance's arenas (weights + KV): bytes, "2GiB", or a
         fraction of the device ("0.5"). Without it, the KV cache gets `kv_cache_memory` bytes (default 1 GiB).
-        options: block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, page_size."""
+        options: block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, page_size.
+        morph: "off", "manual" (only model.morph.to_precision), or a controller mode "accuracy" | "default" |
+        "performance"; profile: LIS profile JSON for the swap order; morph_options: MorphOptions fields
+        (variants=VariantConfig fields, controller=ControllerConfig overrides)."""
         engine_options = EngineOptions(**options)
+        morph_opts = MorphOptions(mode=morph, profile=profile, **(morph_options or {}))
         device = torch.device(device)
         torch_dtype = parse_dtype(dtype)
         attn_implementation = register_paged_attention()
@@ -81,19 +88,25 @@ class ElasticModel:
         config = hf_model.config
         hf_model.to(device)
         layers = adapter.decoder_layers(hf_model)
+        morph_setup = prepare_morph(morph_opts, hf_model, adapter, layers, tokenizer, resolved.checkpoint_dir,
+                                    resolved.model_id) if morph_opts.enabled else None
+        slot_bytes = morph_setup.store.slot_bytes() if morph_setup else None
 
         # Page size and the two arenas. The budget ledger is shared: a morph moves bytes from one to the other.
         page_size = engine_options.page_size or default_page_size(device)
-        weight_bytes = weights_capacity_bytes(hf_model, layers, page_size)
+        weight_bytes = weights_capacity_bytes(hf_model, layers, page_size)  # committed at load
+        # Quant slots are reserved address space; the headroom keeps one slot's bytes free so a morph can start.
+        arena_bytes = weights_capacity_bytes(hf_model, layers, page_size, slot_bytes)
+        headroom = morph_setup.headroom_bytes(page_size) if morph_setup else 0
         num_heads, num_kv_heads, head_dim = adapter.head_counts(config)
         layout = KVLayout(config.num_hidden_layers, num_kv_heads, head_dim, engine_options.block_size,
                           torch_dtype, page_size)
         if memory_budget is None:
             kv_bytes = engine_options.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-            budget_bytes = weight_bytes + kv_bytes
+            budget_bytes = weight_bytes + kv_bytes + headroom
         else:
             budget_bytes = parse_memory_budget(memory_budget, device_total_bytes(device))
-        kv_bytes = budget_bytes - weight_bytes
+        kv_bytes = budget_bytes - weight_bytes - headroom
         num_blocks = kv_bytes // layout.block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -101,8 +114,8 @@ class ElasticModel:
                 f"cache after {format_bytes(weight_bytes)} of weights; one KV block needs "
                 f"{format_bytes(layout.block_bytes)}")
         budget = MemoryBudget(budget_bytes)
-        weights_arena = create_arena(device, weight_bytes, budget, "weights", page_size, huge_pages=True)
-        placement = place_weights(hf_model, layers, weights_arena)
+        weights_arena = create_arena(device, arena_bytes, budget, "weights", page_size, huge_pages=True)
+        placement = place_weights(hf_model, layers, weights_arena, slot_bytes)
         # The KV arena reserves room for the whole budget: morphs may hand it every byte weights give up.
         max_blocks = budget_bytes // layout.block_bytes
         kv_arena = create_arena(device, max_blocks * layout.block_bytes, budget, "kv", page_size)
@@ -129,12 +142,14 @@ class ElasticModel:
         engine = LLMEngine(runner, scheduler, tokenizer, model_id=resolved.model_id, max_model_len=max_model_len,
                            vocab_size=config.vocab_size, eos_token_ids=eos_ids,
                            metrics=EngineMetrics(resolved.model_id))
+        manager = morph_setup.finish(engine, layers, weights_arena, placement, kv_pool, budget, device) \
+            if morph_setup else None
         log.info("loaded %s: weights %s, KV %d blocks x %d tokens (%s), max_model_len %d", resolved.model_id,
                  format_bytes(placement.committed_bytes), num_blocks, layout.block_size,
                  format_bytes(kv_pool.committed_bytes), max_model_len)
         return cls(hf_model, tokenizer, engine, model_id=resolved.model_id, budget=budget,
                    weights_arena=weights_arena, kv_pool=kv_pool, placement=placement, adapter=adapter,
-                   checkpoint_dir=resolved.checkpoint_dir)
+                   checkpoint_dir=resolved.checkpoint_dir, morph=manager)
 
     # ------------------------------------------------------------------ generation
     @property
@@ -233,4 +248,5 @@ class ElasticModel:
             "kv_blocks_used": allocator.num_used,
             "kv_blocks_free": allocator.num_free,
             "ledger": ledger,
+            **({"layer_store": self.morph.swapper.store.report()} if self.morph is not None else {}),
         }

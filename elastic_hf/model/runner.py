@@ -29,19 +29,33 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: list[SeqStepInput]) -> torch.Tensor:
         """Returns logits [num_sampling_seqs, vocab] (fp32) in the order of the inputs that need logits."""
+        # Decodes go first in the packed batch: their rows are then one contiguous slice, which the attention
+        # reads and writes as views instead of gathers and scatters.
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].token_ids) != 1)
         input_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
-        for seq in inputs:
+        logit_owner: list[int] = []  # index into `inputs` of each logits row
+        for i in order:
+            seq = inputs[i]
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.num_computed, seq.num_computed + len(seq.token_ids)))
             if seq.needs_logits:
                 logit_rows.append(len(input_ids) - 1)
+                logit_owner.append(i)
         batch = build_paged_batch(
-            self.pool, [(s.num_computed, len(s.token_ids), s.block_ids) for s in inputs], self.sliding_window)
+            self.pool, [(inputs[i].num_computed, len(inputs[i].token_ids), inputs[i].block_ids) for i in order],
+            self.sliding_window)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0)  # [1, T]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)   # [1, T]
         # Only the last position of each sampling sequence goes through the LM head (49k vocab rows).
         keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, paged_batch=batch)
-        return out.logits[0].float()  # [num_sampling_seqs, vocab]
+        logits = out.logits[0].float()  # [num_sampling_seqs, vocab] in packed order
+        if logit_owner != sorted(logit_owner):
+            # Back to the callers' order: row r belongs to inputs[logit_owner[r]].
+            rank = {owner: r for r, owner in enumerate(sorted(logit_owner))}
+            inverse = torch.empty(len(logit_owner), dtype=torch.long)
+            inverse[torch.tensor([rank[o] for o in logit_owner])] = torch.arange(len(logit_owner))
+            logits = logits.index_select(0, inverse)
+        return logits

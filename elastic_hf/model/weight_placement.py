@@ -1,6 +1,13 @@
 """Move a built HF model's parameters into a weights arena: every decoder layer gets its own page-aligned range,
-and the parameters become zero-copy views of it. A precision morph later rewrites one layer's range in place
-and decommits its tail pages, so each layer must own whole pages."""
+and the parameters become zero-copy views of it.
+
+A decoder layer's range is `[quant slots | fp region]`. The fp region holds the full-precision parameters and is
+committed at load. The quant slots (one per quantized precision, e.g. "w4" and "w8", each page-aligned and sized
+for that variant) are reserved virtual space only: a precision morph commits a slot, copies the variant into it,
+switches the layer to it and decommits the fp region, so the freed pages can become KV blocks. One slot per
+precision (not one shared slot) lets a W8 layer move to W4 without ever writing over the bytes a forward pass is
+reading and without a detour through full precision. Without slots (`slot_bytes=None`) the layout is the plain
+one of a model that never morphs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,17 +21,20 @@ from elastic_hf.memory.arena import PageArena
 @dataclass(slots=True)
 class ArenaRange:
     offset: int
-    nbytes: int          # committed, page-aligned
+    nbytes: int          # page-aligned extent
     payload_bytes: int   # bytes the tensors use
 
 
 @dataclass(slots=True)
 class WeightPlacement:
     shared: ArenaRange                                      # embeddings, final norm, untied LM head
-    layers: list[ArenaRange] = field(default_factory=list)  # one per decoder layer
+    layers: list[ArenaRange] = field(default_factory=list)  # the fp region of each decoder layer
+    # Per decoder layer: precision name -> reserved quant slot (uncommitted until a morph uses it).
+    slots: list[dict[str, ArenaRange]] = field(default_factory=list)
 
     @property
     def committed_bytes(self) -> int:
+        """Bytes committed at load (shared range + every fp region); morphs change what the arena holds later."""
         return self.shared.nbytes + sum(r.nbytes for r in self.layers)
 
 
@@ -45,18 +55,31 @@ def _range_bytes(params: list[nn.Parameter]) -> int:
     return sum(_aligned(p.numel() * p.element_size()) for p in params)
 
 
-def weights_capacity_bytes(model: nn.Module, layers: nn.ModuleList, page_size: int) -> int:
-    """Arena bytes needed: the shared range plus one page-rounded range per layer."""
+def _round_up(nbytes: int, page_size: int) -> int:
+    return -(-max(nbytes, 1) // page_size) * page_size
+
+
+def _slot_extent(slot_bytes: dict[str, int] | None, page_size: int) -> int:
+    return sum(_round_up(n, page_size) for n in (slot_bytes or {}).values())
+
+
+def weights_capacity_bytes(model: nn.Module, layers: nn.ModuleList, page_size: int,
+                           slot_bytes: list[dict[str, int]] | None = None) -> int:
+    """Arena bytes needed: the shared range plus, per layer, its quant slots and its page-rounded fp region.
+    slot_bytes[i] maps a precision name to the payload bytes of layer i's variant."""
     seen: set[int] = set()
     layer_params = [_unique_params(layer, seen) for layer in layers]
     shared_params = _unique_params(model, seen)
-    round_up = lambda n: -(-max(n, 1) // page_size) * page_size  # noqa: E731
-    return round_up(_range_bytes(shared_params)) + sum(round_up(_range_bytes(ps)) for ps in layer_params)
+    total = _round_up(_range_bytes(shared_params), page_size)
+    for i, params in enumerate(layer_params):
+        total += _slot_extent(slot_bytes[i] if slot_bytes else None, page_size)
+        total += _round_up(_range_bytes(params), page_size)
+    return total
 
 
 def _place(params: list[nn.Parameter], arena: PageArena, offset: int) -> ArenaRange:
     payload = _range_bytes(params)
-    nbytes = -(-max(payload, 1) // arena.page_size) * arena.page_size
+    nbytes = _round_up(payload, arena.page_size)
     arena.commit(offset, nbytes)
     cursor = offset
     for p in params:
@@ -68,15 +91,24 @@ def _place(params: list[nn.Parameter], arena: PageArena, offset: int) -> ArenaRa
 
 
 @torch.no_grad()
-def place_weights(model: nn.Module, layers: nn.ModuleList, arena: PageArena) -> WeightPlacement:
+def place_weights(model: nn.Module, layers: nn.ModuleList, arena: PageArena,
+                  slot_bytes: list[dict[str, int]] | None = None) -> WeightPlacement:
+    if slot_bytes is not None and len(slot_bytes) != len(layers):
+        raise ValueError(f"slot_bytes has {len(slot_bytes)} entries for {len(layers)} decoder layers")
     seen: set[int] = set()
     layer_params = [_unique_params(layer, seen) for layer in layers]
     shared_params = _unique_params(model, seen)  # what is left: embeddings, final norm, LM head if untied
     shared = _place(shared_params, arena, 0)
     placement = WeightPlacement(shared)
     offset = shared.nbytes
-    for params in layer_params:
+    for i, params in enumerate(layer_params):
+        slots: dict[str, ArenaRange] = {}
+        for precision, payload in (slot_bytes[i] if slot_bytes else {}).items():
+            extent = _round_up(payload, arena.page_size)
+            slots[precision] = ArenaRange(offset, extent, payload)  # reserved, not committed
+            offset += extent
         r = _place(params, arena, offset)
         placement.layers.append(r)
+        placement.slots.append(slots)
         offset += r.nbytes
     return placement

@@ -9,6 +9,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,8 @@ from elastic_hf.serving import protocol as p
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a max_model_len prompt as text or token ids is far below this
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # an 8k-token prompt is under 100 KB as text or as token ids
+MAX_CHOICES = 128  # n x prompts per HTTP request: one request must not flood the scheduler
 
 
 class APIError(Exception):
@@ -49,8 +51,9 @@ _KNOWN_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "repetition_pena
 
 def _value_error(exc: ValueError) -> APIError:
     message = str(exc)
-    first = message.split(" ", 1)[0].rstrip(":=")
-    return APIError(400, message, param=first if first in _KNOWN_PARAMS else None)
+    first = re.match(r"[A-Za-z_]*", message).group(0)  # engine messages start with the argument's name
+    code = "context_length_exceeded" if "max_model_len" in message else None
+    return APIError(400, message, param=first if first in _KNOWN_PARAMS else None, code=code)
 
 
 def _validation_error(exc: ValidationError | RequestValidationError) -> APIError:
@@ -148,6 +151,10 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, model_id
         if req.model != model_id:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_id!r}",
                            param="model", code="model_not_found")
+        unsupported = req.unsupported()
+        if unsupported:
+            raise APIError(400, f"not supported by this server: {', '.join(unsupported)}", param=unsupported[0],
+                           code="unsupported_parameter")
         return req
 
     def check_max_tokens(max_tokens: int | None, name: str = "max_tokens") -> None:
@@ -199,6 +206,9 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, model_id
         check_max_tokens(max_tokens)
         params = _params(req, max_tokens)
         prompts = req.prompts()
+        if len(prompts) * params.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={params.n} = {len(prompts) * params.n} choices; "
+                                f"at most {MAX_CHOICES} per request", param="n")
         streams = await submit(prompts, params, "cmpl")
         response_id = p.new_id("cmpl")
         if req.stream:
@@ -231,6 +241,8 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, model_id
         # OpenAI's default for chat is "as many as fit"
         max_tokens = requested if requested is not None else max_model_len - len(prompt_ids)
         params = _params(req, max_tokens)
+        if params.n > MAX_CHOICES:
+            raise APIError(400, f"n={params.n} is beyond the limit of {MAX_CHOICES} choices per request", param="n")
         streams = await submit([prompt_ids], params, "chatcmpl")
         response_id = p.new_id("chatcmpl")
         if req.stream:

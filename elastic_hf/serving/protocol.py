@@ -51,6 +51,18 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # accepted so clients that always send them work; non-default values are refused (see unsupported())
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: Union[bool, int, None] = None
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> list[str]:
+        """Names of requested features this server does not implement (a clear 400 beats silently ignoring)."""
+        names = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
+        if self.logprobs or self.top_logprobs:
+            names.append("logprobs")
+        return names
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Raises ValueError naming the argument and its allowed range."""
@@ -75,6 +87,17 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> list[str]:
+        names = super().unsupported()
+        if self.suffix:
+            names.append("suffix")
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            names.append("best_of")
+        if self.echo and self.stream:
+            names.append("echo with stream")
+        return names
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to bind; the loopback default keeps the server private to this machine")
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     parser.add_argument("--served-model-name", default=None,
-                        help="model name clients send in 'model' and see in /v1/models (default: the model id)" + _OWN_DEFAULT)
+                        help="model name clients send in 'model' and see in /v1/models "
+                             "(default: the model id)" + _OWN_DEFAULT)
     parser.add_argument("--memory-budget", default=None,
                         help="cap on committed bytes for weights + KV cache: bytes, a size like '2GiB', or a "
                              "fraction of the device like '0.5' (default: weights + 1 GiB of KV)" + _OWN_DEFAULT)
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer <key>' on every /v1 route "
                              "(default: $ELASTIC_HF_API_KEY; unset = no auth)" + _OWN_DEFAULT)
-    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20,
                         help="largest accepted request body in bytes; larger bodies get HTTP 413")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level of server and engine")
 

@@ -16,7 +16,7 @@ def build_tiny_llama(num_layers: int = 4, seed: int = 0, vocab: int = 512):
     return LlamaForCausalLM(config).eval().requires_grad_(False)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_llama():
     """tiny_llama(num_layers=4, seed=0) -> a random-weight LlamaForCausalLM with hidden 64, GQA 4/2 heads."""
     return build_tiny_llama

@@ -25,8 +25,16 @@ def _profile(model, seed=0, **overrides):
                        progress=False), calib_ids
 
 
-def test_profile_is_deterministic_for_a_fixed_seed(tiny_llama):
-    first, _ = _profile(tiny_llama())
+@pytest.fixture(scope="module")
+def profiled(tiny_llama):
+    """(model, LisResult, calib_ids) of one exact-greedy profile of the 4-layer tiny Llama, shared."""
+    model = tiny_llama()
+    result, calib_ids = _profile(model)
+    return model, result, calib_ids
+
+
+def test_profile_is_deterministic_for_a_fixed_seed(tiny_llama, profiled):
+    _, first, _ = profiled
     second, _ = _profile(tiny_llama())
     assert first.profile.order == second.profile.order
     assert [s.lis for s in first.profile.steps] == [s.lis for s in second.profile.steps]
@@ -42,11 +50,10 @@ def test_calibration_windows_depend_on_seed():
     assert a.shape == (4, 100) and len({int(w[0]) // 100 for w in a}) == 4  # distinct, non-overlapping
 
 
-def test_cached_greedy_matches_full_model_recomputation(tiny_llama):
+def test_cached_greedy_matches_full_model_recomputation(profiled):
     """Every step's MDS must equal cos(f^(Q), f^(Q+p)) computed by running the whole model from scratch, and
     LIS must be the configured weighted sum (the prefix cache must not change any number)."""
-    model = tiny_llama()
-    result, calib_ids = _profile(model)
+    model, result, calib_ids = profiled
     adapter = get_adapter(model.config)
     config = result.profile.config
 
@@ -70,9 +77,8 @@ def test_cached_greedy_matches_full_model_recomputation(tiny_llama):
         quantized.append(step.layer)
 
 
-def test_lts_and_lrs_are_cosines_of_layer_io(tiny_llama):
-    model = tiny_llama()
-    result, calib_ids = _profile(model)
+def test_lts_and_lrs_are_cosines_of_layer_io(profiled):
+    model, result, calib_ids = profiled
     with torch.no_grad():
         hidden = model.model(calib_ids, output_hidden_states=True).hidden_states
     # hidden_states[i] is layer i's input (the last one is after the final norm, so check the first layers)
@@ -83,17 +89,16 @@ def test_lts_and_lrs_are_cosines_of_layer_io(tiny_llama):
 
 
 def test_lazy_greedy_runs_fewer_layers_and_keeps_a_permutation(tiny_llama):
-    model = tiny_llama(num_layers=6)
+    model = tiny_llama(num_layers=5)
     exact, _ = _profile(model, refresh=0)
     lazy, _ = _profile(model, refresh=1)
-    assert sorted(lazy.profile.order) == list(range(6))
+    assert sorted(lazy.profile.order) == list(range(5))
     assert lazy.profile.order[0] == exact.profile.order[0]  # step 1 scores every layer in both modes
     assert lazy.profile.timings["greedy_layer_forwards"] < exact.profile.timings["greedy_layer_forwards"]
 
 
-def test_profile_json_roundtrip_and_validation(tiny_llama, tmp_path):
-    model = tiny_llama()
-    result, _ = _profile(model)
+def test_profile_json_roundtrip_and_validation(tiny_llama, profiled, tmp_path):
+    model, result, _ = profiled
     path = tmp_path / "profile.json"
     result.profile.save(path)
     data = json.loads(path.read_text())

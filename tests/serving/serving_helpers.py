@@ -1,6 +1,7 @@
 """Helpers of the serving tests (fixtures live in conftest.py): real servers, i.e. uvicorn in a background
-thread of the test process, on a free loopback port, over a real ElasticModel. Most tests use a tiny random-weight Llama (with the default model's real
-tokenizer, so text and chat templates are real); one module uses the default model for a quality check.
+thread of the test process, on a free loopback port, over a real ElasticModel. Most tests use a tiny
+random-weight Llama with the default model's real tokenizer, so text and chat templates are real; one module
+uses the default model for a quality check.
 
 Reference outputs are computed with the same engine, synchronously, before the server takes it over: "the
 server's greedy output equals the engine's own greedy output" then compares like with like."""
@@ -60,7 +61,7 @@ class Server:
             time.sleep(0.02)
 
     def metric(self, name: str, labels: str = "") -> float:
-        """Value of one sample of /metrics, e.g. metric("elastic_hf_requests_finished_total", 'finish_reason="abort"')."""
+        """Value of one /metrics sample: metric("elastic_hf_requests_finished_total", 'finish_reason="abort"')."""
         text = httpx.get(self.base_url + "/metrics", timeout=30).text
         for line in text.splitlines():
             if line.startswith(name + ("{" if labels else " ")) and (not labels or labels in line):

@@ -47,6 +47,8 @@ def _bad_cases(model_id: str, max_body_bytes: int):
         ("top_p zero", "/v1/completions", {**ok, "top_p": 0}, 400, ["top_p", "(0, 1]"]),
         ("top_p above one", "/v1/chat/completions", {**chat, "top_p": 1.5}, 400, ["top_p", "1.5"]),
         ("n zero", "/v1/completions", {**ok, "n": 0}, 400, ["n must be"]),
+        ("n too large", "/v1/chat/completions", {**chat, "n": 1000}, 400, ["n=1000", "128"]),
+        ("unsupported logprobs", "/v1/completions", {**ok, "logprobs": 3}, 400, ["logprobs"]),
         ("oversize body", "/v1/completions", {**ok, "prompt": "x" * (max_body_bytes + 10)}, 413,
          [str(max_body_bytes)]),
     ]

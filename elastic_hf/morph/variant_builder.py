@@ -1,0 +1,169 @@
+"""Build the quantized variants (W8, W4) of every decoder layer once, and cache them on disk.
+
+RTN needs no data; AWQ (when a calibration text is given) runs the full-precision model layer by layer on the
+calibration windows and searches each layer's scales on its real input (helper functions of layers/ and
+morph/lis). Variants are cached as portable safetensors (layers/quantize_layer.save_layer_variant) under the
+user cache dir, keyed by the checkpoint's files, the config and the scheme, so a later load only re-packs
+them for the device (about 0.05 s per layer instead of building them again)."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from elastic_hf.layers.awq import AwqConfig
+from elastic_hf.layers.quant_scheme import DEFAULT_W4_GROUP_SIZE, QuantScheme
+from elastic_hf.layers.quantize_layer import (calibrate_and_quantize, decoder_layer_kwargs, load_layer_variant,
+                                              save_layer_variant)
+from elastic_hf.model.loader import cache_root
+
+log = logging.getLogger(__name__)
+
+QUANT_PRECISIONS = ("w8", "w4")
+PRECISIONS = ("fp",) + QUANT_PRECISIONS   # highest to lowest
+
+
+@dataclass(slots=True)
+class VariantConfig:
+    precisions: tuple[str, ...] = QUANT_PRECISIONS  # quantized variants kept for every layer
+    w4_group_size: int = DEFAULT_W4_GROUP_SIZE
+    calib_path: str | None = None   # calibration text: AWQ scales when given, round-to-nearest otherwise
+    calib_samples: int = 4          # windows of calib_seq_len tokens used by the AWQ search
+    calib_seq_len: int = 256
+    use_cache: bool = True
+    cache_dir: str | None = None    # default: <user cache>/elastic-hf/morph-variants
+
+    def __post_init__(self):
+        self.precisions = tuple(self.precisions)
+        bad = [p for p in self.precisions if p not in QUANT_PRECISIONS]
+        if bad or not self.precisions or len(set(self.precisions)) != len(self.precisions):
+            raise ValueError(f"precisions={self.precisions!r}: give distinct names from {QUANT_PRECISIONS}")
+        QuantScheme.create("w4", self.w4_group_size)  # validates the group size
+        if self.calib_path is not None and not Path(self.calib_path).is_file():
+            raise ValueError(f"calib_path={self.calib_path!r} does not exist")
+        if self.calib_samples < 1 or self.calib_seq_len < 2:
+            raise ValueError(f"calib_samples={self.calib_samples} must be >= 1 and calib_seq_len="
+                             f"{self.calib_seq_len} >= 2")
+
+    @property
+    def method(self) -> str:
+        return "awq" if self.calib_path else "rtn"
+
+    def scheme(self, precision: str) -> QuantScheme:
+        return QuantScheme.create(precision, self.w4_group_size if precision == "w4" else None, self.method)
+
+
+def checkpoint_fingerprint(checkpoint_dir: Path, hf_config) -> str:
+    """Names, sizes and mtimes of the weight files plus the config hash: cheap, and changes when the weights do."""
+    from elastic_hf.morph.lis import config_hash
+
+    h = hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode())
+    for path in sorted(Path(checkpoint_dir).glob("*")):
+        if path.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
+            stat = path.stat()
+            h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    h.update(config_hash(hf_config).encode())
+    return h.hexdigest()[:16]
+
+
+def _file_digest(path: str) -> str:
+    stat = Path(path).stat()
+    return hashlib.sha256(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
+def variant_dir(config: VariantConfig, precision: str, checkpoint_dir: Path, hf_config) -> Path:
+    root = Path(config.cache_dir) if config.cache_dir else cache_root() / "morph-variants"
+    name = config.scheme(precision).name
+    if config.method == "awq":
+        name += f"-{_file_digest(config.calib_path)}-n{config.calib_samples}x{config.calib_seq_len}"
+    return root / checkpoint_fingerprint(checkpoint_dir, hf_config) / name
+
+
+@contextlib.contextmanager
+def _sdpa_attention(model: nn.Module):
+    """Calibration calls decoder layers directly, outside the paged engine: use HF's SDPA while it runs."""
+    config = model.config
+    saved = config._attn_implementation
+    config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
+
+
+def _calibration_hidden(model, adapter, tokenizer, config: VariantConfig) -> torch.Tensor:
+    from elastic_hf.morph.lis import calibration_batch
+    from elastic_hf.morph.perplexity import tokenize_file
+
+    ids = tokenize_file(tokenizer, config.calib_path, "calib_path")
+    batch = calibration_batch(ids, config.calib_samples, config.calib_seq_len, seed=0)  # [samples, seq]
+    device = next(model.parameters()).device
+    return model.get_submodule(adapter.embed_tokens)(batch.to(device)).float()  # [samples, seq, hidden]
+
+
+@torch.no_grad()
+def _build(model, adapter, layers, tokenizer, config: VariantConfig, precision: str) -> list[nn.Module]:
+    scheme = config.scheme(precision)
+    if config.method == "rtn":
+        return [calibrate_and_quantize(layer, adapter, model.config, scheme).quantized for layer in layers]
+    variants = []
+    with _sdpa_attention(model):
+        hidden = _calibration_hidden(model, adapter, tokenizer, config)
+        kwargs = decoder_layer_kwargs(model, hidden.shape[0], hidden.shape[1])
+        for layer in layers:
+            calibrated = calibrate_and_quantize(layer, adapter, model.config, scheme, hidden, kwargs, AwqConfig())
+            variants.append(calibrated.quantized)
+            hidden = calibrated.fp_output  # the next layer calibrates on full-precision activations
+    return variants
+
+
+def _load_cached(directory: Path, layers, adapter, device) -> list[nn.Module] | None:
+    paths = [directory / f"layer-{i:03d}.safetensors" for i in range(len(layers))]
+    if not all(p.is_file() for p in paths):
+        return None
+    try:
+        return [load_layer_variant(p, layer, adapter, device) for p, layer in zip(paths, layers)]
+    except Exception as exc:  # a stale or truncated cache entry is rebuilt, never fatal
+        log.warning("ignoring the layer-variant cache in %s: %s", directory, exc)
+        return None
+
+
+def _save_cached(directory: Path, variants: list[nn.Module], model_id: str) -> None:
+    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        for i, variant in enumerate(variants):
+            save_layer_variant(tmp / f"layer-{i:03d}.safetensors", variant, i, model_id)
+        if not directory.exists():
+            tmp.rename(directory)
+    except OSError as exc:  # a read-only cache dir only costs the next load a rebuild
+        log.warning("could not cache layer variants in %s: %s", directory, exc)
+
+
+def build_variants(model: nn.Module, adapter, layers: nn.ModuleList, tokenizer, config: VariantConfig,
+                   checkpoint_dir: Path | None, model_id: str = "") -> dict[str, list[nn.Module]]:
+    """precision -> one quantized copy per decoder layer, on the layers' device."""
+    device = next(layers[0].parameters()).device
+    out: dict[str, list[nn.Module]] = {}
+    for precision in config.precisions:
+        started = time.perf_counter()
+        directory = variant_dir(config, precision, checkpoint_dir, model.config) \
+            if config.use_cache and checkpoint_dir is not None else None
+        variants = _load_cached(directory, layers, adapter, device) if directory is not None else None
+        source = "cache"
+        if variants is None:
+            variants = _build(model, adapter, layers, tokenizer, config, precision)
+            source = config.method
+            if directory is not None:
+                _save_cached(directory, variants, model_id)
+        log.info("%s variants of %d layers (%s) in %.1f s", config.scheme(precision).name, len(layers), source,
+                 time.perf_counter() - started)
+        out[precision] = variants
+    return out

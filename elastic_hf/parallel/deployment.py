@@ -1,0 +1,438 @@
+"""A multi-worker deployment: N worker processes (the data plane) under one control plane in this process, which
+keeps a torch-free scheduler and an LLMEngine per instance and drives every instance's steps concurrently.
+
+`reshape(new_topology)` changes the TP layout of the running deployment as a transaction (ReMP §3.9): quiesce at a
+step boundary -> plan (sequence placement, block remap, 2-D KV migration) -> every worker prepares -> commit point
+-> resume with merged or split schedulers. A failure before the commit point rolls every worker back and the old
+instances keep serving their requests untouched."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from elastic_hf.engine.llm_engine import LLMEngine
+from elastic_hf.engine.metrics import EngineMetrics
+from elastic_hf.engine.outputs import RequestOutput
+from elastic_hf.engine.sampling_params import SamplingParams
+from elastic_hf.engine.scheduler import Scheduler, SchedulerConfig
+from elastic_hf.engine.sequence import Request, SeqStatus
+from elastic_hf.kv.block_allocator import BlockAllocator
+from elastic_hf.model.runner import SeqStepInput
+from elastic_hf.parallel.groups import Topology, candidate_topologies, parse_topology
+from elastic_hf.parallel.kv_migration import BlockMove, build_migration_plan
+from elastic_hf.parallel.reshape_plan import ReshapePlan
+from elastic_hf.parallel.sharding_plan import allowed_tp_degrees
+from elastic_hf.parallel.weight_store import SharedWeightStore
+from elastic_hf.parallel.worker import WorkerConfig, worker_main
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    def __init__(self, worker: int, method: str, message: str, remote_traceback: str | None = None):
+        super().__init__(f"worker {worker} failed in {method}: {message}")
+        self.worker = worker
+        self.method = method
+        self.remote_traceback = remote_traceback
+
+
+class ReshapeAborted(RuntimeError):
+    """The transform failed before its commit point; the deployment still serves the old topology."""
+
+
+@dataclass(slots=True)
+class DeploymentOptions:
+    num_workers: int = 2
+    topology: tuple[int, ...] | None = None   # default: every worker a TP1 instance
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_cache_memory: int = 64 << 20           # per worker, as a TP1 instance
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    page_size: int | None = None
+    threads_per_worker: int | None = None     # default: cores / workers, at least 1
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self):
+        if not 1 <= self.num_workers <= 8:
+            raise ValueError(f"num_workers must be in [1, 8], got {self.num_workers}")
+        if self.topology is None:
+            self.topology = (1,) * self.num_workers
+        self.topology = tuple(self.topology)
+        if sum(self.topology) != self.num_workers:
+            raise ValueError(f"topology {list(self.topology)} covers {sum(self.topology)} workers, "
+                             f"num_workers={self.num_workers}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+
+
+class InstanceRunner:
+    """ModelRunner stand-in for the control plane: a step goes to every worker of the instance; rank 0's logits
+    come back."""
+
+    def __init__(self, deployment: "Deployment", workers: tuple[int, ...]):
+        self.deployment = deployment
+        self.workers = workers
+
+    def execute(self, inputs: list[SeqStepInput]) -> torch.Tensor:
+        results = self.deployment.call_many(self.workers, "execute", inputs)
+        return torch.from_numpy(results[0])  # [num_sampling_seqs, vocab]
+
+
+@dataclass(slots=True)
+class Instance:
+    workers: tuple[int, ...]
+    engine: LLMEngine
+
+    @property
+    def tp(self) -> int:
+        return len(self.workers)
+
+    def load(self) -> float:
+        allocator = self.engine.scheduler.allocator
+        return allocator.num_used / max(allocator.num_total, 1)
+
+
+@dataclass(slots=True)
+class ReshapeReport:
+    old: str
+    new: str
+    seconds: float
+    committed: bool
+    worker_stats: list[dict] = field(default_factory=list)
+    num_moved_seqs: int = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Deployment:
+    def __init__(self, model: str | os.PathLike | None = None, **options):
+        from transformers import AutoConfig, AutoTokenizer
+
+        from elastic_hf.model.loader import parse_dtype, resolve_model
+        from elastic_hf.patches import get_adapter
+
+        self.options = DeploymentOptions(**options)
+        opts = self.options
+        resolved = resolve_model(model)
+        self.model_id = resolved.model_id
+        self.checkpoint_dir = resolved.checkpoint_dir
+        self.config = AutoConfig.from_pretrained(self.checkpoint_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint_dir)
+        self.adapter = get_adapter(self.config)
+        _, self.num_kv_heads, _ = self.adapter.head_counts(self.config)
+        self.degrees = allowed_tp_degrees(opts.num_workers, self.num_kv_heads)
+        self.candidates = candidate_topologies(opts.num_workers, self.degrees)
+        self.topology = Topology(opts.topology)
+        if self.topology not in self.candidates:
+            raise ValueError(f"topology {self.topology} is not a candidate for {opts.num_workers} workers and "
+                             f"{self.num_kv_heads} KV heads: {[str(t) for t in self.candidates]}")
+        self.store = SharedWeightStore.from_checkpoint(self.checkpoint_dir, self.adapter,
+                                                       self.config.num_hidden_layers, parse_dtype(opts.dtype))
+        eos = getattr(self.config, "eos_token_id", None)
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.eos_token_ids:
+            self.eos_token_ids.append(self.tokenizer.eos_token_id)
+        self.max_model_len = opts.max_model_len or min(getattr(self.config, "max_position_embeddings", 8192), 8192)
+        self._seq_counter = itertools.count()
+        self._request_counter = itertools.count()
+        self.retired_prompt_tokens = 0
+        self.reshapes: list[ReshapeReport] = []
+        self._procs, self._conns = [], []
+        self._pool: ThreadPoolExecutor | None = None
+        self.instances: list[Instance] = []
+        try:
+            self._start_workers()
+            self.instances = self._build_instances(self.topology)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ workers
+    def _start_workers(self) -> None:
+        opts = self.options
+        ctx = torch.multiprocessing.get_context("spawn")
+        port = _free_port()
+        threads = opts.threads_per_worker or max(1, (os.cpu_count() or 1) // opts.num_workers)
+        for worker_id in range(opts.num_workers):
+            parent, child = ctx.Pipe()
+            config = WorkerConfig(str(self.checkpoint_dir), worker_id, opts.num_workers, tuple(self.topology.sizes),
+                                  port, dtype=opts.dtype, device=opts.device, block_size=opts.block_size,
+                                  kv_cache_memory=opts.kv_cache_memory, page_size=opts.page_size,
+                                  num_threads=threads)
+            proc = ctx.Process(target=worker_main, args=(child, config, self.store), daemon=True,
+                               name=f"elastic-hf-worker-{worker_id}")
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        for worker_id in range(opts.num_workers):
+            self._receive(worker_id, "start", timeout=opts.start_timeout_s)
+        self._pool = ThreadPoolExecutor(max_workers=opts.num_workers, thread_name_prefix="elastic-hf-instance")
+
+    def _receive(self, worker: int, method: str, timeout: float | None = None):
+        conn = self._conns[worker]
+        if timeout is not None and not conn.poll(timeout):
+            raise WorkerError(worker, method, f"no answer within {timeout:.0f} s")
+        try:
+            status, result, remote_tb = conn.recv()
+        except (EOFError, ConnectionResetError) as exc:
+            code = self._procs[worker].exitcode
+            raise WorkerError(worker, method, f"worker process died (exit code {code})") from exc
+        if status != "ok":
+            raise WorkerError(worker, method, result, remote_tb)
+        return result
+
+    def call(self, worker: int, method: str, *args):
+        """The one RPC entry point: run `method(*args)` on a worker and return its result."""
+        return self.call_many((worker,), method, *args)[0]
+
+    def call_many(self, workers, method: str, *args) -> list:
+        """Send to every worker first (they run concurrently, e.g. the ranks of one TP step), then collect."""
+        sent, errors = [], []
+        for w in workers:
+            try:
+                self._conns[w].send((method, args))
+                sent.append(w)
+            except (BrokenPipeError, OSError) as exc:
+                errors.append(WorkerError(w, method, f"worker process is gone ({exc})"))
+        results = {}
+        for w in sent:
+            try:
+                results[w] = self._receive(w, method)
+            except WorkerError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return [results[w] for w in workers]
+
+    # ------------------------------------------------------------------ instances
+    def _instance_capacity(self, topology: Topology, idx: int) -> int:
+        workers = topology.instances()[idx]
+        caps = [self.call(w, "kv_capacity", len(workers), rank) for rank, w in enumerate(workers)]
+        return min(caps)
+
+    def _new_engine(self, workers: tuple[int, ...], allocator: BlockAllocator) -> LLMEngine:
+        opts = self.options
+        scheduler = Scheduler(SchedulerConfig(opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size),
+                              allocator)
+        engine = LLMEngine(InstanceRunner(self, workers), scheduler, self.tokenizer, model_id=self.model_id,
+                           max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
+                           eos_token_ids=self.eos_token_ids, metrics=EngineMetrics(self.model_id))
+        engine._seq_counter = self._seq_counter  # sequence ids stay unique when sequences move between engines
+        return engine
+
+    def _build_instances(self, topology: Topology) -> list[Instance]:
+        instances = []
+        for idx, workers in enumerate(topology.instances()):
+            num_blocks = self._instance_capacity(topology, idx)
+            if num_blocks < 1:
+                raise ValueError(f"instance {idx} (workers {list(workers)}) has no room for a KV block under "
+                                 f"kv_cache_memory={self.options.kv_cache_memory}")
+            self.call_many(workers, "init_kv", num_blocks)
+            instances.append(Instance(workers, self._new_engine(workers, BlockAllocator(range(num_blocks)))))
+        return instances
+
+    # ------------------------------------------------------------------ requests
+    def _blocks_needed(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        return -(-(len(prompt_ids) + params.max_tokens) // self.options.block_size)
+
+    def route(self, prompt_ids: list[int], params: SamplingParams) -> Instance:
+        """Least-loaded instance whose KV cache can hold the whole request."""
+        needed = self._blocks_needed(prompt_ids, params) * params.n
+        fits = [i for i in self.instances if i.engine.scheduler.allocator.num_total >= needed]
+        if not fits:
+            biggest = max(i.engine.scheduler.allocator.num_total for i in self.instances)
+            raise ValueError(f"request needs {needed} KV blocks; the largest instance of topology {self.topology} "
+                             f"holds {biggest}")
+        return min(fits, key=lambda i: (i.load(), len(i.engine.requests)))
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, instance: int | None = None) -> str:
+        params = params or SamplingParams(temperature=0.0)
+        request_id = request_id or f"dep-{next(self._request_counter)}"
+        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) \
+            else list(prompt)
+        target = self.instances[instance] if instance is not None else self.route(prompt_ids, params)
+        target.engine.add_request(request_id, prompt_ids, params)
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return any(i.engine.has_unfinished_requests() for i in self.instances)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every instance with work, the instances running concurrently."""
+        busy = [i for i in self.instances if i.engine.scheduler.has_work()]
+        if not busy:
+            return []
+        if len(busy) == 1:
+            return busy[0].engine.step()
+        outputs = []
+        for out in self._pool.map(lambda inst: inst.engine.step(), busy):
+            outputs.extend(out)
+        return outputs
+
+    def generate(self, prompts: list[list[int]] | list[str], max_tokens: int = 16, **sampling) -> list[RequestOutput]:
+        params = SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, **sampling})
+        ids = [self.add_request(p, params) for p in prompts]
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[r] for r in ids]
+
+    def stats(self) -> dict:
+        return {"topology": str(self.topology),
+                "num_computed_prompt_tokens": self.retired_prompt_tokens + sum(
+                    i.engine.num_computed_prompt_tokens for i in self.instances),
+                "num_preemptions": sum(i.engine.scheduler.num_preemptions for i in self.instances),
+                "instances": [{"workers": list(i.workers), **i.engine.stats()} for i in self.instances]}
+
+    def memory_report(self) -> list[dict]:
+        return self.call_many(range(self.options.num_workers), "memory_report")
+
+    # ------------------------------------------------------------------ reshape
+    def reshape(self, target) -> ReshapeReport:
+        """Change the topology in place, e.g. [1, 1] -> [2] -> [1, 1]. Call between steps (the deployment's own
+        driver thread), which is the quiesce point. Raises ReshapeAborted when a worker fails before the commit
+        point; the old topology is then still serving."""
+        new = parse_topology(target)
+        old = self.topology
+        if new not in self.candidates:
+            raise ValueError(f"topology {new} is not a candidate: {[str(t) for t in self.candidates]}")
+        start = time.perf_counter()
+        if new == old:
+            return ReshapeReport(str(old), str(new), 0.0, True)
+        plan, placement = self._plan(old, new)
+        workers = list(range(self.options.num_workers))
+        try:
+            stats = self.call_many(workers, "prepare_reshape", plan)
+        except WorkerError as exc:
+            self._rollback(workers)
+            report = ReshapeReport(str(old), str(new), time.perf_counter() - start, False)
+            self.reshapes.append(report)
+            raise ReshapeAborted(f"reshape {old} -> {new} rolled back: {exc}") from exc
+        # ---- commit point: every worker holds the new shard, the migrated KV and the new groups ----
+        self.call_many(workers, "commit_reshape")
+        self._resume(new, plan, placement)
+        report = ReshapeReport(str(old), str(new), time.perf_counter() - start, True, stats, len(plan.seq_moves))
+        self.reshapes.append(report)
+        return report
+
+    def _rollback(self, workers: list[int]) -> None:
+        for w in workers:
+            try:
+                self.call(w, "abort_reshape")
+            except WorkerError as exc:  # a dead worker has nothing to roll back; it is reported by the caller
+                log.error("rollback on worker %d failed: %s", w, exc)
+
+    def _plan(self, old: Topology, new: Topology):
+        """Place every request of the old instances on a new instance that shares a worker with it (so local heads
+        stay local), least-loaded first; give its sequences fresh block ids there."""
+        new_instances = new.instances()
+        capacity = {idx: self._instance_capacity(new, idx) for idx in range(len(new_instances))}
+        allocators = {idx: BlockAllocator(range(n)) for idx, n in capacity.items()}
+        placement: dict[int, list[Request]] = {idx: [] for idx in capacity}
+        moves: list[BlockMove] = []
+        seq_moves: dict[int, tuple[int, int]] = {}
+        live_old: dict[int, list[int]] = {}
+        requests = []
+        for old_idx, inst in enumerate(self.instances):
+            live_old[old_idx] = [b for s in inst.engine.scheduler.running for b in s.block_ids]
+            requests.extend((old_idx, r) for r in inst.engine.requests.values())
+        requests.sort(key=lambda item: item[1].arrival_time)
+        for old_idx, request in requests:
+            old_workers = set(self.instances[old_idx].workers)
+            need = sum(len(s.block_ids) for s in request.seqs)
+            candidates = [idx for idx, ws in enumerate(new_instances) if old_workers & set(ws)]
+            candidates = [idx for idx in candidates if allocators[idx].num_free >= need]
+            if not candidates:
+                raise ValueError(f"reshape {old} -> {new}: request {request.request_id!r} holds {need} KV blocks "
+                                 f"and no new instance sharing its workers has that many free "
+                                 f"({ {i: a.num_free for i, a in allocators.items()} })")
+            dst = min(candidates, key=lambda idx: allocators[idx].num_used)
+            placement[dst].append(request)
+            for seq in request.seqs:
+                seq_moves[seq.seq_id] = (old_idx, dst)
+                if seq.block_ids:
+                    new_blocks = allocators[dst].allocate(len(seq.block_ids))
+                    moves.append(BlockMove(old_idx, dst, tuple(seq.block_ids), tuple(new_blocks)))
+        transfers = build_migration_plan(moves, old, new, self.num_kv_heads)
+        plan = ReshapePlan(old, new, moves, transfers, live_old,
+                           {idx: a.num_used for idx, a in allocators.items()}, capacity, seq_moves)
+        return plan, (placement, allocators)
+
+    def _resume(self, new: Topology, plan: ReshapePlan, placement) -> None:
+        requests_by_instance, allocators = placement
+        new_block_ids = {}
+        for move in plan.moves:
+            new_block_ids[(move.src_instance, move.src_blocks)] = list(move.dst_blocks)
+        self.retired_prompt_tokens += sum(i.engine.num_computed_prompt_tokens for i in self.instances)
+        old_instances = self.instances
+        self.instances = []
+        for idx, workers in enumerate(new.instances()):
+            engine = self._new_engine(workers, allocators[idx])
+            running, waiting = [], []
+            for request in requests_by_instance[idx]:
+                engine.requests[request.request_id] = request
+                for seq in request.seqs:
+                    old_idx = plan.seq_moves[seq.seq_id][0]
+                    if seq.block_ids:
+                        seq.block_ids = new_block_ids[(old_idx, tuple(seq.block_ids))]
+                    if seq.status is SeqStatus.RUNNING:
+                        running.append(seq)
+                    elif seq.status is SeqStatus.WAITING:
+                        waiting.append(seq)
+            # Keep each old scheduler's admission order: older sequences first, preemption hits the youngest.
+            running.sort(key=lambda s: s.seq_id)
+            waiting.sort(key=lambda s: s.seq_id)
+            engine.scheduler.running.extend(running)
+            engine.scheduler.waiting.extend(waiting)
+            self.instances.append(Instance(workers, engine))
+        del old_instances
+        self.topology = new
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        for w, conn in enumerate(self._conns):
+            try:
+                if self._procs[w].is_alive():
+                    conn.send(("shutdown", ()))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def __enter__(self) -> "Deployment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["Deployment", "DeploymentOptions", "ReshapeAborted", "WorkerError"]

@@ -1,0 +1,123 @@
+"""Two-dimensional KV migration (ReMP §3.5, Gyges §4.1.2): a plan of (block, KV-head range) transfers between the
+workers of the old and the new topology, and its execution on one worker, layer by layer from the last layer.
+
+With the head-centric layout every (block, layer, head range) is one contiguous run of rows in the pool, so a
+transfer is an index_select on the sender and an index_copy_ on the receiver; tensors move only through
+torch.distributed point-to-point ops. The plan is built once by the control plane (torch-free) and sent to every
+worker, so all of them agree on the order of the packed rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic_hf.parallel.groups import Topology
+from elastic_hf.parallel.sharding_plan import split_units
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransfer:
+    src_worker: int
+    dst_worker: int
+    src_block: int
+    dst_block: int
+    head_start: int   # global KV heads [head_start, head_end)
+    head_end: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMove:
+    """One sequence's blocks leaving old instance `src_instance` for new instance `dst_instance`."""
+    src_instance: int
+    dst_instance: int
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.src_blocks) != len(self.dst_blocks):
+            raise ValueError(f"a move maps {len(self.src_blocks)} blocks onto {len(self.dst_blocks)}")
+
+
+def head_range(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    return split_units(num_kv_heads, tp)[rank]
+
+
+def build_migration_plan(moves: list[BlockMove], old: Topology, new: Topology,
+                         num_kv_heads: int) -> list[KVTransfer]:
+    """Receiver side first (ReMP Alg. 1): every new rank's head range intersected with every old rank's range."""
+    old_instances, new_instances = old.instances(), new.instances()
+    transfers: list[KVTransfer] = []
+    for move in moves:
+        src_workers, dst_workers = old_instances[move.src_instance], new_instances[move.dst_instance]
+        for d_rank, dst in enumerate(dst_workers):
+            d_lo, d_hi = head_range(num_kv_heads, len(dst_workers), d_rank)
+            for s_rank, src in enumerate(src_workers):
+                s_lo, s_hi = head_range(num_kv_heads, len(src_workers), s_rank)
+                lo, hi = max(d_lo, s_lo), min(d_hi, s_hi)
+                if lo >= hi:
+                    continue
+                for sb, db in zip(move.src_blocks, move.dst_blocks):
+                    transfers.append(KVTransfer(src, dst, sb, db, lo, hi))
+    return transfers
+
+
+def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: int, new_pool,
+               new_head_start: int) -> dict:
+    """Execute this worker's share of the plan. Returns bytes moved locally / sent / received and the largest
+    per-layer staging buffer (the peak extra bytes beyond the new pool's pages)."""
+    import torch
+    import torch.distributed as dist
+
+    old_lo, new_lo = old_pool.layout, new_pool.layout
+    bs = old_lo.block_size
+    device = new_pool.rows.device
+
+    def rows(block: int, heads_from: int, num_heads: int, lo, head_start: int) -> torch.Tensor:
+        start = block * lo.rows_per_block + (heads_from - head_start) * 2 * bs
+        return torch.arange(start, start + num_heads * 2 * bs)  # K and V of each head are adjacent
+
+    local_src, local_dst = [], []
+    send: dict[int, list[torch.Tensor]] = {}
+    recv: dict[int, list[torch.Tensor]] = {}
+    for t in transfers:
+        n = t.head_end - t.head_start
+        if t.src_worker == me:
+            src = rows(t.src_block, t.head_start, n, old_lo, old_head_start)
+            if t.dst_worker == me:
+                local_src.append(src)
+                local_dst.append(rows(t.dst_block, t.head_start, n, new_lo, new_head_start))
+            else:
+                send.setdefault(t.dst_worker, []).append(src)
+        elif t.dst_worker == me:
+            recv.setdefault(t.src_worker, []).append(rows(t.dst_block, t.head_start, n, new_lo, new_head_start))
+    cat = lambda parts: torch.cat(parts).to(device) if parts else None  # noqa: E731
+    local_src_rows, local_dst_rows = cat(local_src), cat(local_dst)
+    send_rows = {peer: cat(parts) for peer, parts in sorted(send.items())}
+    recv_rows = {peer: cat(parts) for peer, parts in sorted(recv.items())}
+
+    row_bytes = old_lo.head_dim * old_lo.itemsize
+    stats = {"local_bytes": 0, "sent_bytes": 0, "received_bytes": 0, "peak_staging_bytes": 0}
+    old_rows, new_rows = old_pool.rows, new_pool.rows   # [arena rows, head_dim]
+    for layer in reversed(range(old_lo.num_layers)):
+        o_off, n_off = layer * old_lo.rows_per_layer, layer * new_lo.rows_per_layer
+        ops, inbox, staging = [], [], 0
+        for peer, idx in send_rows.items():
+            buf = old_rows.index_select(0, idx + o_off)                 # [rows, head_dim]
+            ops.append(dist.P2POp(dist.isend, buf, peer))
+            staging += buf.numel() * buf.element_size()
+        for peer, idx in recv_rows.items():
+            buf = new_rows.new_empty(idx.numel(), new_lo.head_dim)      # [rows, head_dim]
+            ops.append(dist.P2POp(dist.irecv, buf, peer))
+            inbox.append((idx, buf))
+            staging += buf.numel() * buf.element_size()
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if local_src_rows is not None:  # overlaps the transfers
+            new_rows.index_copy_(0, local_dst_rows + n_off, old_rows.index_select(0, local_src_rows + o_off))
+        for w in works:
+            w.wait()
+        for idx, buf in inbox:
+            new_rows.index_copy_(0, idx + n_off, buf)
+        stats["peak_staging_bytes"] = max(stats["peak_staging_bytes"], staging)
+    num_layers = old_lo.num_layers
+    stats["local_bytes"] = (0 if local_src_rows is None else local_src_rows.numel()) * row_bytes * num_layers
+    stats["sent_bytes"] = sum(i.numel() for i in send_rows.values()) * row_bytes * num_layers
+    stats["received_bytes"] = sum(i.numel() for i in recv_rows.values()) * row_bytes * num_layers
+    return stats

@@ -1,0 +1,119 @@
+"""Tensor parallelism as a transform of a built HF model (gpt-fast style): every decoder layer's q/k/v/o and
+gate/up/down Linear becomes a ShardableLinear in one weights arena; embeddings, norms, biases and the LM head are
+replicated. The HF forward runs unchanged: attention reshapes with view(..., -1, head_dim), so a shard with fewer
+heads just works, the registered paged attention reads the KV-head count from the key tensor, and o_proj/down_proj
+all-reduce over the TP group.
+
+Switching degree in place: load the chunks the new shard needs (from the shared host store) and release the pages of
+the chunks it no longer owns. Scale-up only releases (no copy); scale-down loads."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from elastic_hf.layers.shardable_linear import ShardableLinear
+from elastic_hf.memory import MemoryBudget, create_arena
+from elastic_hf.parallel.sharding_plan import COLUMN_KINDS, SHARDED_KINDS, ModelShardSpec
+from elastic_hf.parallel.weight_store import SharedWeightStore, linear_module_names
+
+ATTENTION_KINDS = ("q", "k", "v", "o")
+MLP_KINDS = ("gate", "up", "down")
+
+
+def _aligned(nbytes: int, alignment: int = 64) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
+class ShardedWeights:
+    def __init__(self, hf_model: nn.Module, adapter, spec: ModelShardSpec, budget: MemoryBudget,
+                 device: torch.device, store: SharedWeightStore, tp: int, rank: int, group=None):
+        self.adapter = adapter
+        self.spec = spec
+        self.store = store
+        self.layers = adapter.decoder_layers(hf_model)
+        self.num_layers = len(self.layers)
+        names = linear_module_names(adapter)
+        linears = [{kind: layer.get_submodule(names[kind]) for kind in SHARDED_KINDS} for layer in self.layers]
+        sharded_ids = {id(m.weight) for per_layer in linears for m in per_layer.values()}
+        seen: set[int] = set()
+        shared = []
+        for p in hf_model.parameters():
+            if id(p) not in sharded_ids and id(p) not in seen:
+                seen.add(id(p))
+                shared.append(p)
+        layouts = {kind: spec.layout(kind) for kind in SHARDED_KINDS}
+        page = spec.page_size
+        self.shared_bytes = -(-max(sum(_aligned(p.numel() * p.element_size()) for p in shared), 1) // page) * page
+        self.layer_bytes = sum(lay.nbytes for lay in layouts.values())
+        self.arena = create_arena(device, self.shared_bytes + self.num_layers * self.layer_bytes, budget, "weights",
+                                  page)
+        self._place_shared(shared)
+
+        self.linears: list[dict[str, ShardableLinear]] = []
+        offset = self.shared_bytes
+        with torch.no_grad():
+            for layer_idx, (layer, per_layer) in enumerate(zip(self.layers, linears)):
+                built = {}
+                for kind in SHARDED_KINDS:
+                    old = per_layer[kind]
+                    lay = layouts[kind]
+                    mode = "column" if kind in COLUMN_KINDS else "row"
+                    bias = old.bias.data if old.bias is not None else None
+                    new = ShardableLinear(lay, mode, self.arena, offset, old.in_features, old.out_features,
+                                          old.weight.dtype, bias)
+                    new.load(old.weight.data, lay.shard_chunks(tp, rank))
+                    new.set_shard(tp, rank, group)
+                    parent_name, _, attr = names[kind].rpartition(".")
+                    setattr(layer.get_submodule(parent_name), attr, new)
+                    built[kind] = new
+                    offset += lay.nbytes
+                self.linears.append(built)
+        self.tp, self.rank = tp, rank
+
+    def _place_shared(self, params: list[nn.Parameter]) -> None:
+        self.arena.commit(0, self.shared_bytes)
+        cursor = 0
+        with torch.no_grad():
+            for p in params:
+                view = self.arena.view(cursor, tuple(p.shape), p.dtype)
+                view.copy_(p.data)
+                p.data = view
+                cursor += _aligned(p.numel() * p.element_size())
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def committed_bytes(self) -> int:
+        return self.arena.committed_bytes
+
+    def shard_bytes(self, tp: int, rank: int) -> int:
+        """Committed bytes of this worker's weights as shard (tp, rank)."""
+        per_layer = 0
+        for kind in SHARDED_KINDS:
+            lay = self.linears[0][kind].layout
+            per_layer += sum(lay.chunks[i].nbytes for i in lay.shard_chunks(tp, rank))
+        return self.shared_bytes + self.num_layers * per_layer
+
+    # ------------------------------------------------------------------ transform
+    def switch(self, kinds: tuple[str, ...], tp: int, rank: int, group=None,
+               layer_ids: list[int] | None = None) -> tuple[int, int]:
+        """Make `kinds` compute as shard (tp, rank), layer by layer, last layer first: load the missing chunks from
+        the host store, switch, release the chunks no longer owned. Returns (bytes loaded, bytes released)."""
+        loaded = released = 0
+        for layer_idx in layer_ids if layer_ids is not None else reversed(range(self.num_layers)):
+            for kind in kinds:
+                lin = self.linears[layer_idx][kind]
+                own = lin.layout.shard_chunks(tp, rank)
+                missing = [i for i in own if i not in lin.committed]
+                if missing:
+                    lin.load(self.store.get(layer_idx, kind), missing)
+                    loaded += sum(lin.layout.chunks[i].nbytes for i in missing)
+                lin.set_shard(tp, rank, group)
+                released += lin.release(sorted(lin.committed - set(own)))
+        return loaded, released
+
+    def set_group(self, group) -> None:
+        """Point every row-parallel layer at a new process group object (same ranks, e.g. after a snapshot
+        switch)."""
+        for per_layer in self.linears:
+            for lin in per_layer.values():
+                lin.group = group

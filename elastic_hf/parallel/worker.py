@@ -1,0 +1,301 @@
+"""The data plane of a multi-worker deployment: one Worker per process holds a shard of the model (ShardedWeights)
+and the KV pool of its KV-head range, and executes steps and reshape transactions that the control plane sends as
+data through one RPC entry point, `call(method, *args)` over a pipe. Tensors between workers move only through
+torch.distributed (gloo on CPU, NCCL on GPU, TCPStore rendezvous)."""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from elastic_hf.kv.layout import KVLayout
+from elastic_hf.kv.page_pool import KVPagePool
+from elastic_hf.memory import MemoryBudget, create_arena
+from elastic_hf.parallel.groups import ProcessGroups, Topology, candidate_topologies
+from elastic_hf.parallel.kv_migration import head_range, migrate_kv
+from elastic_hf.parallel.reshape_plan import ReshapePlan
+from elastic_hf.parallel.shard_transform import ATTENTION_KINDS, MLP_KINDS, ShardedWeights
+from elastic_hf.parallel.sharding_plan import ModelShardSpec, allowed_tp_degrees
+from elastic_hf.parallel.weight_store import SharedWeightStore
+
+log = logging.getLogger(__name__)
+
+RESHAPE_STAGES = ("weights_first", "kv_trim", "kv_migrate", "weights_last", "prepared")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    checkpoint_dir: str
+    worker_id: int
+    num_workers: int
+    topology: tuple[int, ...]
+    master_port: int
+    master_addr: str = "127.0.0.1"
+    dtype: str = "float32"
+    device: str = "cpu"              # "cpu" or "cuda" (worker i uses cuda:i)
+    block_size: int = 16
+    kv_cache_memory: int = 64 << 20  # KV bytes this worker has as a TP1 instance; the budget adds the weights
+    page_size: int | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.worker_id < self.num_workers:
+            raise ValueError(f"worker_id must be in [0, {self.num_workers}), got {self.worker_id}")
+        if sum(self.topology) > self.num_workers:
+            raise ValueError(f"topology {list(self.topology)} needs {sum(self.topology)} workers, "
+                             f"have {self.num_workers}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+
+
+def rss_anon_bytes() -> int:
+    """Private anonymous RSS of this process: the arenas' pages, without the mapped shared weight store."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, store: SharedWeightStore):
+        import torch.distributed as dist
+
+        from elastic_hf.kv.paged_attention import register_paged_attention
+        from elastic_hf.model.loader import load_hf_model, parse_dtype
+        from elastic_hf.model.runner import ModelRunner
+        from elastic_hf.patches import get_adapter
+
+        self.config = config
+        self.me = config.worker_id
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.device == "cuda":
+            self.device = torch.device("cuda", self.me % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{config.master_addr}:{config.master_port}",
+                                rank=self.me, world_size=config.num_workers)
+        self.dtype = parse_dtype(config.dtype)
+        attn = register_paged_attention()
+        self.hf_model, _ = load_hf_model(config.checkpoint_dir, self.dtype, attn)
+        self.hf_model.to(self.device)
+        hf_config = self.hf_model.config
+        self.adapter = get_adapter(hf_config)
+        num_heads, self.num_kv_heads, head_dim = self.adapter.head_counts(hf_config)
+        degrees = allowed_tp_degrees(config.num_workers, self.num_kv_heads)
+        self.groups = ProcessGroups(candidate_topologies(config.num_workers, degrees), backend)
+        self.topology = Topology(config.topology)
+        role = self.groups.for_topology(self.topology, self.me)
+        group, tp, rank = role if role is not None else (None, 1, 0)
+        probe = create_arena(self.device, 1 << 21, MemoryBudget(1 << 62), "probe", config.page_size)
+        page_size = probe.page_size
+        probe.close()
+        self.spec = ModelShardSpec(hf_config.hidden_size, hf_config.intermediate_size, num_heads,
+                                   self.num_kv_heads, head_dim, torch.empty((), dtype=self.dtype).element_size(),
+                                   page_size, degrees)
+        self.budget = MemoryBudget(1 << 62)  # resized below, once the TP1 weight bytes are known
+        self.weights = ShardedWeights(self.hf_model, self.adapter, self.spec, self.budget, self.device, store,
+                                      tp, rank, group)
+        # The budget: this worker's memory as a TP1 instance, whatever shard it starts with.
+        self.budget.total_bytes = self.weights.shard_bytes(1, 0) + config.kv_cache_memory
+        self.head_dim = head_dim
+        self.num_layers = hf_config.num_hidden_layers
+        self.pool: KVPagePool | None = None
+        self.runner = ModelRunner(self.hf_model, None, getattr(hf_config, "sliding_window", None))
+        self._txn: dict | None = None
+        self._fault: str | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def _role(self, topology: Topology) -> tuple[int, int, int] | None:
+        return topology.role(self.me)
+
+    def _layout(self, tp: int, rank: int) -> KVLayout:
+        lo, hi = head_range(self.num_kv_heads, tp, rank)
+        return KVLayout(self.num_layers, hi - lo, self.head_dim, self.config.block_size, self.dtype,
+                        self.spec.page_size)
+
+    def _new_pool(self, tp: int, rank: int, num_blocks: int) -> KVPagePool:
+        layout = self._layout(tp, rank)
+        max_blocks = self.budget.total_bytes // layout.block_bytes
+        if num_blocks > max_blocks:
+            raise ValueError(f"{num_blocks} KV blocks exceed the {max_blocks} that fit the worker's budget")
+        arena = create_arena(self.device, max_blocks * layout.block_bytes, self.budget, "kv", self.spec.page_size)
+        try:
+            return KVPagePool(layout, arena, max_blocks, num_blocks)
+        except BaseException:
+            arena.close()
+            raise
+
+    def _check_fault(self, stage: str) -> None:
+        if self._fault == stage:
+            self._fault = None
+            raise RuntimeError(f"fault injected at reshape stage {stage!r} on worker {self.me}")
+
+    # ------------------------------------------------------------------ RPC: setup and steps
+    def ping(self) -> int:
+        return os.getpid()
+
+    def info(self) -> dict:
+        return {"worker": self.me, "num_kv_heads": self.num_kv_heads, "num_layers": self.num_layers,
+                "degrees": list(self.spec.degrees), "page_size": self.spec.page_size,
+                "budget_bytes": self.budget.total_bytes, "weights_tp1_bytes": self.weights.shard_bytes(1, 0)}
+
+    def kv_capacity(self, tp: int, rank: int) -> int:
+        """KV blocks this worker can hold as shard (tp, rank) once its weights are that shard."""
+        free = self.budget.total_bytes - self.weights.shard_bytes(tp, rank)
+        return max(free, 0) // self._layout(tp, rank).block_bytes
+
+    def init_kv(self, num_blocks: int) -> int:
+        role = self._role(self.topology)
+        if role is None:
+            return 0
+        if self.pool is not None:
+            raise RuntimeError(f"worker {self.me} already has a KV pool of {self.pool.num_blocks} blocks")
+        self.pool = self._new_pool(role[1], role[2], num_blocks)
+        self.runner.pool = self.pool
+        return self.pool.layout.block_bytes
+
+    def execute(self, inputs):
+        """One step of this worker's instance. Every rank runs it (the all-reduces need them); rank 0 returns the
+        logits [num_sampling_seqs, vocab] as a numpy array, the others None."""
+        logits = self.runner.execute(inputs)
+        role = self._role(self.topology)
+        return logits.cpu().numpy() if role is not None and role[2] == 0 else None
+
+    def memory_report(self) -> dict:
+        return {"worker": self.me, "weights_bytes": self.budget.used_bytes("weights"),
+                "kv_bytes": self.budget.used_bytes("kv"), "budget_bytes": self.budget.total_bytes,
+                "kv_blocks": self.pool.num_blocks if self.pool is not None else 0,
+                "rss_anon_bytes": rss_anon_bytes(), "topology": str(self.topology)}
+
+    def arm_fault(self, stage: str | None) -> None:
+        """Make the next reshape raise at `stage` (one of RESHAPE_STAGES); for transaction tests and drills."""
+        if stage is not None and stage not in RESHAPE_STAGES:
+            raise ValueError(f"stage must be one of {RESHAPE_STAGES}, got {stage!r}")
+        self._fault = stage
+
+    # ------------------------------------------------------------------ RPC: reshape transaction
+    def prepare_reshape(self, plan: ReshapePlan) -> dict:
+        """Everything up to the commit point. The old KV pool stays intact (only its unused blocks are
+        decommitted), so abort_reshape() can always return to the old topology."""
+        if self._txn is not None:
+            raise RuntimeError(f"worker {self.me} already has a reshape in flight")
+        old_role, new_role = self._role(plan.old), self._role(plan.new)
+        if old_role is None or new_role is None:
+            raise NotImplementedError("reshapes that move workers into or out of standby are not supported yet")
+        old_group, old_tp, old_rank = self.groups.for_topology(plan.old, self.me)
+        new_group, new_tp, new_rank = self.groups.for_topology(plan.new, self.me)
+        txn = {"plan": plan, "old": (old_group, old_tp, old_rank), "new": (new_group, new_tp, new_rank),
+               "trimmed": [], "new_pool": None, "stats": {}}
+        self._txn = txn
+        stats = txn["stats"]
+        budget_kv_before = self.budget.used_bytes("kv")
+        weights_before = self.budget.used_bytes("weights")
+        scale_up = new_tp > old_tp
+        # Scale-up: MLP first, so the freed pages can take the migrated KV (Gyges §4.3). Scale-down: KV first.
+        first, last = (MLP_KINDS, ATTENTION_KINDS) if scale_up else ((), ATTENTION_KINDS + MLP_KINDS)
+        if first:
+            stats["weights_first"] = self.weights.switch(first, new_tp, new_rank, new_group)
+        self._check_fault("weights_first")
+
+        live = set(plan.live_old_blocks[old_role[0]])
+        block_bytes = self.pool.layout.block_bytes
+        for block_id in range(self.pool.max_blocks):
+            if block_id in self.pool.allocator._attached and block_id not in live:
+                self.pool.arena.decommit(block_id * block_bytes, block_bytes)
+                txn["trimmed"].append(block_id)
+        self._check_fault("kv_trim")
+
+        kv_before_migration = self.budget.used_bytes("kv")
+        new_pool = self._new_pool(new_tp, new_rank, plan.num_live_new_blocks[new_role[0]])
+        txn["new_pool"] = new_pool
+        old_h0 = head_range(self.num_kv_heads, old_tp, old_rank)[0]
+        new_h0 = head_range(self.num_kv_heads, new_tp, new_rank)[0]
+        stats["kv"] = migrate_kv(plan.transfers, self.me, self.pool, old_h0, new_pool, new_h0)
+        stats["kv"]["new_pool_live_bytes"] = self.budget.used_bytes("kv") - kv_before_migration
+        stats["kv"]["peak_extra_bytes"] = stats["kv"]["new_pool_live_bytes"] + stats["kv"]["peak_staging_bytes"]
+        self._check_fault("kv_migrate")
+
+        stats["weights_last"] = self.weights.switch(last, new_tp, new_rank, new_group)
+        self._check_fault("weights_last")
+        stats["weights_bytes_before"] = weights_before
+        stats["weights_bytes_after"] = self.budget.used_bytes("weights")
+        stats["kv_bytes_before"] = budget_kv_before
+        self._check_fault("prepared")
+        return stats
+
+    def commit_reshape(self) -> dict:
+        """The commit point: drop the old KV pool, grow the new one to its capacity, serve the new topology."""
+        txn = self._require_txn()
+        plan: ReshapePlan = txn["plan"]
+        new_pool: KVPagePool = txn["new_pool"]
+        self.pool.arena.close()
+        self.pool = new_pool
+        self.runner.pool = new_pool
+        self.topology = plan.new
+        new_role = self._role(plan.new)
+        extra = plan.new_num_blocks[new_role[0]] - new_pool.num_blocks
+        if extra > 0:
+            new_pool.attach_blocks(extra)
+        self._txn = None
+        return self.memory_report()
+
+    def abort_reshape(self) -> dict:
+        """Roll back to the old topology: old weights shard (refilled from the host store), old KV pool."""
+        txn = self._txn
+        if txn is None:
+            return self.memory_report()
+        self._txn = None
+        if txn["new_pool"] is not None:
+            txn["new_pool"].arena.close()
+        block_bytes = self.pool.layout.block_bytes
+        for block_id in txn["trimmed"]:  # they were free: zero pages are fine
+            self.pool.arena.commit(block_id * block_bytes, block_bytes)
+        old_group, old_tp, old_rank = txn["old"]
+        self.weights.switch(ATTENTION_KINDS + MLP_KINDS, old_tp, old_rank, old_group)
+        return self.memory_report()
+
+    def _require_txn(self) -> dict:
+        if self._txn is None:
+            raise RuntimeError(f"worker {self.me} has no prepared reshape to commit")
+        return self._txn
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def worker_main(conn, config: WorkerConfig, store: SharedWeightStore) -> None:
+    """Process entry: build the Worker, then serve `call(method, *args)` requests until 'shutdown' or EOF."""
+    logging.basicConfig(level=os.environ.get("ELASTIC_HF_WORKER_LOG", "WARNING"))
+    try:
+        worker = Worker(config, store)
+    except BaseException as exc:  # report the start failure instead of leaving the driver waiting
+        conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return
+    conn.send(("ok", worker.ping(), None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            break
+        try:
+            if method.startswith("_") or not callable(getattr(worker, method, None)):
+                raise AttributeError(f"worker has no RPC method {method!r}")
+            result = getattr(worker, method)(*args)
+            conn.send(("ok", result, None))
+        except BaseException as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        if method == "shutdown":
+            break
