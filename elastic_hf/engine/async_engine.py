@@ -156,19 +156,36 @@ class AsyncEngine:
                           request_id: str | None = None, arrival_time: float | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it. Raises ValueError for bad input (from
         `LLMEngine.add_request`), EngineDeadError when the engine is not running."""
+        ids = [request_id] if request_id else None
+        return (await self.add_requests([prompt], params, ids, arrival_time))[0]
+
+    async def add_requests(self, prompts: list[str | list[int]], params: SamplingParams,
+                           request_ids: list[str] | None = None, arrival_time: float | None = None
+                           ) -> list[RequestStream]:
+        """All-or-nothing: queue every prompt in one command batch (so they join the same step instead of one
+        step each), wait for all acceptances; if any is refused, abort the accepted ones and raise its error."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
-        request_id = request_id or self.new_request_id()
-        stream = _Stream(request_id, loop, accepted=loop.create_future())
+        request_ids = request_ids or [self.new_request_id() for _ in prompts]
+        streams = [_Stream(rid, loop, accepted=loop.create_future()) for rid in request_ids]
         arrival_time = time.time() if arrival_time is None else arrival_time
-        self._submit(("add", stream, prompt, params, arrival_time))
+        with self._cond:
+            self._commands.extend(("add", st, prompt, params, arrival_time) for st, prompt in zip(streams, prompts))
+            self._cond.notify()
         try:
-            await stream.accepted
+            results = await asyncio.gather(*(st.accepted for st in streams), return_exceptions=True)
         except asyncio.CancelledError:
-            self.abort(request_id)  # accepted or not, do not leave it running for nobody
+            for st in streams:  # accepted or not, do not leave them running for nobody
+                self.abort(st.request_id)
             raise
-        return RequestStream(self, stream)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for st, result in zip(streams, results):
+                if result is None:
+                    self.abort(st.request_id)
+            raise errors[0]
+        return [RequestStream(self, st) for st in streams]
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

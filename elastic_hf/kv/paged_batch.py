@@ -53,7 +53,8 @@ def _k_rows(pool: KVPagePool, block_table: torch.Tensor, positions: torch.Tensor
 
 def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
                       sliding_window: int | None = None) -> PagedBatch:
-    """seqs: (num_computed_before, num_new_tokens, block_ids) per sequence, in packed order."""
+    """seqs: (num_computed_before, num_new_tokens, block_ids) per sequence, in packed order. Index math runs on
+    the CPU; the results move to the pool's device once."""
     block_size = pool.layout.block_size
     new_positions: list[int] = []
     new_blocks: list[int] = []
@@ -106,4 +107,13 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
             raise ValueError(f"decodes must be contiguous in the packed batch, got rows {decode_rows[:8]}...")
         decodes = DecodeGroup(decode_rows[0], _k_rows(pool, table, positions).flatten(), len(decode_rows),
                               max_ctx, mask)
+    device = pool.rows.device
+    if device.type != "cpu":
+        write_k_rows = write_k_rows.to(device, non_blocking=True)
+        for p in prefills:
+            p.k_rows = None if p.k_rows is None else p.k_rows.to(device, non_blocking=True)
+            p.mask = None if p.mask is None else p.mask.to(device, non_blocking=True)
+        if decodes is not None:
+            decodes.k_rows = decodes.k_rows.to(device, non_blocking=True)
+            decodes.mask = None if decodes.mask is None else decodes.mask.to(device, non_blocking=True)
     return PagedBatch(pool, write_k_rows, prefills, decodes, row)

@@ -37,15 +37,16 @@ class KVResizer:
             self.num_attached += num
         return num
 
-    def blocks_to_free(self, nbytes: int) -> int:
-        """Blocks that must be detached so that nbytes can be committed with the headroom still free."""
-        missing = nbytes + self.headroom_bytes - self.budget.free_bytes
+    def blocks_to_free(self, nbytes: int, keep_headroom: bool) -> int:
+        """Blocks that must be detached so that nbytes can be committed (with the headroom still free after it
+        when keep_headroom: a restore must not use up the room the next morph needs)."""
+        missing = nbytes + (self.headroom_bytes if keep_headroom else 0) - self.budget.free_bytes
         return max(0, -(-missing // self.block_bytes))
 
-    def make_room(self, nbytes: int) -> bool:
+    def make_room(self, nbytes: int, keep_headroom: bool = True) -> bool:
         """Detach free blocks until nbytes (+ headroom) are uncommitted. All or nothing: if the free blocks do not
-        suffice, nothing is detached (shrinking the cache for a restore that cannot happen yet only hurts)."""
-        needed = self.blocks_to_free(nbytes)
+        suffice, nothing is detached (shrinking the cache for a swap that cannot start yet only hurts)."""
+        needed = self.blocks_to_free(nbytes, keep_headroom)
         if needed == 0:
             return True
         if self.pool.allocator.num_free < needed:

@@ -57,8 +57,9 @@ class SwapCounters:
 
 class LayerSwapper:
     def __init__(self, layers: nn.ModuleList, store: LayerStore, arena: PageArena, placement: WeightPlacement,
-                 copier, make_room: Callable[[int], bool]):
-        """make_room(nbytes) -> True once the budget has nbytes free (the KV resizer detaches free blocks)."""
+                 copier, make_room: Callable[[int, bool], bool]):
+        """make_room(nbytes, keep_headroom) -> True once the budget has nbytes free (the KV resizer detaches free
+        blocks, never live ones)."""
         self.layers = layers
         self.store = store
         self.arena = arena
@@ -120,8 +121,9 @@ class LayerSwapper:
 
     def _start(self, job: _Job) -> None:
         dst = self.region(job.layer, job.dst)
-        if job.dst == "fp" and not self.make_room(dst.nbytes):
-            job.waiting_for_room = True  # a restore that would need live KV blocks waits for them to free up
+        # A quantized slot may use the headroom; a restore to fp must leave it free for the next morph.
+        if not self.make_room(dst.nbytes, job.dst == "fp"):
+            job.waiting_for_room = True  # a swap that would need live KV blocks waits for them to free up
             return
         try:
             self.arena.commit(dst.offset, dst.nbytes)
@@ -158,7 +160,7 @@ class LayerSwapper:
                   record.copy_s * 1e3, record.latency_s * 1e3)
         return record
 
-    def wait_copies(self, timeout: float | None = None) -> None:
+    def wait_copies(self) -> None:
         """Block until every started copy finished (for callers that own the model, e.g. offline to_precision)."""
         for job in list(self._jobs.values()):
             if job.copy is not None:

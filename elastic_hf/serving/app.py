@@ -167,21 +167,15 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, model_id
                                 f"max_model_len={max_model_len}", param=name)
 
     async def submit(prompts: list, params, prefix: str) -> list[RequestStream]:
-        streams: list[RequestStream] = []
         try:
-            for prompt in prompts:
-                streams.append(await async_engine.add_request(prompt, params, async_engine.new_request_id(prefix)))
-        except BaseException as exc:
-            for s in streams:  # a bad sibling prompt fails the whole HTTP request: free what was accepted
-                s.abort()
-            if isinstance(exc, ValueError):
-                raise _value_error(exc)
-            if isinstance(exc, EngineDeadError):
-                raise APIError(503, str(exc), type="server_error", code="engine_unavailable")
-            if isinstance(exc, EngineError):
-                raise APIError(500, str(exc), type="server_error", code="engine_error")
-            raise
-        return streams
+            return await async_engine.add_requests(prompts, params,
+                                                   [async_engine.new_request_id(prefix) for _ in prompts])
+        except ValueError as exc:
+            raise _value_error(exc)
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), type="server_error", code="engine_unavailable")
+        except EngineError as exc:
+            raise APIError(500, str(exc), type="server_error", code="engine_error")
 
     # ------------------------------------------------------------ routes
     @app.get("/health")

@@ -1,0 +1,49 @@
+"""Multi-process tensor parallelism gives the greedy tokens of an unsharded model (fp32; the row-parallel
+all-reduce sums partials in a different order, so logits differ by float round-off, tokens do not)."""
+import pytest
+
+from elastic_hf.model.loader import load_hf_model
+from elastic_hf.parallel.deployment import Deployment
+from greedy_reference import hf_greedy, mixed_prompts
+
+MAX_NEW = 12
+
+
+def _check(dep: Deployment, reference, prompts, max_new=MAX_NEW):
+    outputs = dep.generate(prompts, max_tokens=max_new)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, max_new), \
+            f"prompt of {len(prompt)} tokens diverged at topology {dep.topology}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tp2_with_uneven_kv_heads_matches_hf(arch, tp_checkpoint):
+    path = tp_checkpoint("kv3", arch)  # 3 KV heads: rank 0 holds 2, rank 1 holds 1
+    reference, tokenizer = load_hf_model(path)
+    prompts = mixed_prompts(tokenizer, 6, 3, 80, seed=11)
+    with Deployment(str(path), num_workers=2, topology=(2,), kv_cache_memory=4 << 20,
+                    max_num_batched_tokens=64) as dep:  # chunked prefill shares steps with decodes
+        _check(dep, reference, prompts)
+        assert [r["kv_blocks"] for r in dep.memory_report()] == [dep.instances[0].engine.scheduler.allocator.num_total] * 2
+
+
+def test_tp4_and_tp2_plus_two_tp1_match_hf(tp_checkpoint):
+    path = tp_checkpoint("kv4")
+    reference, tokenizer = load_hf_model(path)
+    prompts = mixed_prompts(tokenizer, 6, 3, 60, seed=12)
+    with Deployment(str(path), num_workers=4, topology=(4,), kv_cache_memory=2 << 20) as dep:
+        _check(dep, reference, prompts)
+        dep.reshape([2, 1, 1])  # idle reshape: the new instances serve the next requests
+        assert [i.tp for i in dep.instances] == [2, 1, 1]
+        _check(dep, reference, prompts[:3])
+
+
+@pytest.mark.slow
+def test_tp2_default_model_matches_hf():
+    from elastic_hf.model.loader import resolve_model
+
+    path = resolve_model(None).checkpoint_dir
+    reference, tokenizer = load_hf_model(path)
+    prompts = mixed_prompts(tokenizer, 3, 5, 60, seed=13)
+    with Deployment(None, num_workers=2, topology=(2,), kv_cache_memory=32 << 20) as dep:
+        _check(dep, reference, prompts, max_new=8)
