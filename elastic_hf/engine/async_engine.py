@@ -199,6 +199,22 @@ class AsyncEngine:
         """Thread-safe, idempotent; a no-op for unknown or finished requests."""
         self._submit(("abort", request_id))
 
+    def wake(self) -> None:
+        """Make an idle engine thread re-check `has_unfinished_requests()`: for components (the morph
+        manager) that give the engine work of their own from another thread."""
+        with self._cond:
+            self._cond.notify()
+
+    async def call(self, fn, *args, **kwargs):
+        """Run `fn(*args, **kwargs)` on the engine thread between two steps and return its result (or raise its
+        exception): the way to touch engine or model state safely while requests are in flight."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        self._submit(("call", loop, future, fn, args, kwargs))
+        return await future
+
     # ---- engine thread ----
     def _submit(self, command: tuple) -> None:
         with self._cond:
@@ -257,6 +273,20 @@ class AsyncEngine:
                 log.exception("abort_request(%s) failed", request_id)
             if stream is not None:
                 stream.finished = True
+        elif kind == "call":
+            _, loop, future, fn, args, kwargs = command
+            try:
+                result, error = fn(*args, **kwargs), None
+            except Exception as exc:  # handed to the caller, not fatal to the loop
+                result, error = None, exc
+
+            def _settle():
+                if not future.done():
+                    future.set_exception(error) if error is not None else future.set_result(result)
+            try:
+                loop.call_soon_threadsafe(_settle)
+            except RuntimeError:
+                pass
 
     def _step(self) -> None:
         steps_before = getattr(self.engine, "num_steps", None)
@@ -300,6 +330,12 @@ class AsyncEngine:
             for command in pending:
                 if command[0] == "add":
                     command[1].resolve(exc)
+                elif command[0] == "call":
+                    _, loop, future, *_ = command
+                    try:
+                        loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_exception(exc))
+                    except RuntimeError:
+                        pass
 
     def _safe_abort(self, request_id: str) -> None:
         try:

@@ -111,4 +111,11 @@ def place_weights(model: nn.Module, layers: nn.ModuleList, arena: PageArena,
         placement.layers.append(r)
         placement.slots.append(slots)
         offset += r.nbytes
+    for slots in placement.slots:
+        for slot in slots.values():
+            # With transparent huge pages, faulting in an fp region also faulted in the rest of its 2 MiB huge
+            # page, i.e. parts of the neighbouring (uncommitted) slots. Hand those zero pages back so resident
+            # memory matches the ledger; a slot is committed (and charged) only by a morph.
+            arena.commit(slot.offset, slot.nbytes)
+            arena.decommit(slot.offset, slot.nbytes)
     return placement

@@ -99,6 +99,10 @@ class LayerSwapper:
     def waiting_for_room(self) -> bool:
         return any(j.waiting_for_room for j in self._jobs.values())
 
+    def pending_layers(self) -> list[int]:
+        """Layers whose wanted precision is not in effect yet (queued, copying, or waiting for KV blocks)."""
+        return sorted(set(self._target) | set(self._jobs))
+
     def in_flight(self) -> list[int]:
         return [j.layer for j in self._jobs.values() if j.copy is not None]
 

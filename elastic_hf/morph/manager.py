@@ -33,7 +33,9 @@ class MorphManager:
         self.order = list(order)
         self.metrics = metrics
         self.num_layers = swapper.store.num_layers
-        self._lock = threading.Lock()
+        # Guards swapper/controller state between the engine thread (boundaries) and callers of state() and
+        # to_precision() on other threads (the admin API).
+        self._lock = threading.RLock()
         self._done = threading.Condition(self._lock)
         self._forced: list[tuple[list[int], str]] = []
         self._wake: Callable[[], None] | None = None
@@ -80,7 +82,8 @@ class MorphManager:
         if self.controller is not None:
             self.controller.enabled = bool(controller)
         if self._wake is None:
-            self._apply_now(layers, precision)
+            with self._lock:
+                self._apply_now(layers, precision)
             return self.state()
         with self._lock:
             self._forced.append((layers, precision))
@@ -141,9 +144,13 @@ class MorphManager:
         return controller is not None and controller.enabled and any(p != "fp" for p in self.swapper.precision)
 
     def on_step_boundary(self, engine) -> None:
+        with self._done:
+            self._boundary(engine)
+            self._done.notify_all()
+
+    def _boundary(self, engine) -> None:
         try:
-            with self._lock:
-                forced, self._forced = self._forced, []
+            forced, self._forced = self._forced, []
             for layers, precision in forced:
                 for layer in layers:
                     self.swapper.request(layer, precision)
@@ -165,9 +172,6 @@ class MorphManager:
             # copy finished), requests keep running, and the error is reported in state() and the log.
             self.boundary_error = f"{type(exc).__name__}: {exc}"
             log.exception("morph step boundary failed")
-        finally:
-            with self._done:
-                self._done.notify_all()
 
     def _targets(self) -> list[str]:
         return [self.swapper.target(i) for i in range(self.num_layers)]
@@ -241,6 +245,10 @@ class MorphManager:
 
     def state(self) -> dict:
         """Per-layer precision, KV capacity, swap counts and times (GET /admin/morph)."""
+        with self._lock:
+            return self._state()
+
+    def _state(self) -> dict:
         swapper, pool = self.swapper, self.resizer.pool
         counters = swapper.counters
         num_swaps = sum(counters.num_swaps.values())
@@ -253,7 +261,7 @@ class MorphManager:
             "layers": [{"layer": i, "precision": swapper.precision[i], "target": swapper.target(i)}
                        for i in range(self.num_layers)],
             "layer_counts": self.counts(),
-            "pending": sorted(set(swapper._target) | set(swapper._jobs)),
+            "pending": swapper.pending_layers(),
             "waiting_for_kv_blocks": swapper.waiting_for_room,
             "order": self.order,
             "kv_blocks_total": pool.num_blocks,

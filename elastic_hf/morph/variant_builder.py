@@ -98,24 +98,32 @@ def _sdpa_attention(model: nn.Module):
         config._attn_implementation = saved
 
 
-def _calibration_hidden(model, adapter, tokenizer, config: VariantConfig) -> torch.Tensor:
+def calibration_ids(tokenizer, config: VariantConfig) -> torch.Tensor:
+    """[calib_samples, calib_seq_len] token windows of the calibration text. Only a prefix of the text is
+    tokenized (16 windows' worth, ~8 characters per token): tokenizing a whole corpus file costs seconds."""
     from elastic_hf.morph.lis import calibration_batch
-    from elastic_hf.morph.perplexity import tokenize_file
+    from elastic_hf.morph.perplexity import read_text
 
-    ids = tokenize_file(tokenizer, config.calib_path, "calib_path")
-    batch = calibration_batch(ids, config.calib_samples, config.calib_seq_len, seed=0)  # [samples, seq]
+    text = read_text(config.calib_path, "calib_path")
+    needed_chars = 16 * config.calib_samples * config.calib_seq_len * 8
+    ids = tokenizer(text[:needed_chars], add_special_tokens=False, return_tensors="pt").input_ids[0]
+    return calibration_batch(ids, config.calib_samples, config.calib_seq_len, seed=0)
+
+
+def _calibration_hidden(model, adapter, batch: torch.Tensor) -> torch.Tensor:
     device = next(model.parameters()).device
     return model.get_submodule(adapter.embed_tokens)(batch.to(device)).float()  # [samples, seq, hidden]
 
 
 @torch.no_grad()
-def _build(model, adapter, layers, tokenizer, config: VariantConfig, precision: str) -> list[nn.Module]:
+def _build(model, adapter, layers, calib: torch.Tensor | None, config: VariantConfig,
+           precision: str) -> list[nn.Module]:
     scheme = config.scheme(precision)
     if config.method == "rtn":
         return [calibrate_and_quantize(layer, adapter, model.config, scheme).quantized for layer in layers]
     variants = []
     with _sdpa_attention(model):
-        hidden = _calibration_hidden(model, adapter, tokenizer, config)
+        hidden = _calibration_hidden(model, adapter, calib)
         kwargs = decoder_layer_kwargs(model, hidden.shape[0], hidden.shape[1])
         for layer in layers:
             calibrated = calibrate_and_quantize(layer, adapter, model.config, scheme, hidden, kwargs, AwqConfig())
@@ -152,6 +160,7 @@ def build_variants(model: nn.Module, adapter, layers: nn.ModuleList, tokenizer, 
     """precision -> one quantized copy per decoder layer, on the layers' device."""
     device = next(layers[0].parameters()).device
     out: dict[str, list[nn.Module]] = {}
+    calib = None
     for precision in config.precisions:
         started = time.perf_counter()
         directory = variant_dir(config, precision, checkpoint_dir, model.config) \
@@ -159,7 +168,9 @@ def build_variants(model: nn.Module, adapter, layers: nn.ModuleList, tokenizer, 
         variants = _load_cached(directory, layers, adapter, device) if directory is not None else None
         source = "cache"
         if variants is None:
-            variants = _build(model, adapter, layers, tokenizer, config, precision)
+            if config.method == "awq" and calib is None:
+                calib = calibration_ids(tokenizer, config)
+            variants = _build(model, adapter, layers, calib, config, precision)
             source = config.method
             if directory is not None:
                 _save_cached(directory, variants, model_id)

@@ -22,6 +22,7 @@ from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import Scheduler, SchedulerConfig
+from elastic_hf.engine.tp_policy import InstanceLoad, TPPolicy, TPPolicyConfig
 from elastic_hf.engine.sequence import Request, SeqStatus
 from elastic_hf.kv.block_allocator import BlockAllocator
 from elastic_hf.model.runner import SeqStepInput
@@ -30,7 +31,7 @@ from elastic_hf.parallel.kv_migration import BlockMove, build_migration_plan
 from elastic_hf.parallel.reshape_plan import ReshapePlan
 from elastic_hf.parallel.sharding_plan import allowed_tp_degrees
 from elastic_hf.parallel.weight_store import SharedWeightStore
-from elastic_hf.parallel.worker import WorkerConfig, worker_main
+from elastic_hf.parallel.worker import RESHAPE_PHASES, WorkerConfig, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class DeploymentOptions:
     max_model_len: int | None = None
     page_size: int | None = None
     threads_per_worker: int | None = None     # default: cores / workers, at least 1
+    tp_policy: str = "static"                 # "elastic": merge for long requests, split back (Gyges §5)
+    router: str = "least_load"                # "elastic", "least_load" or "round_robin"
+    scale_down_load: float = 0.5
     start_timeout_s: float = 300.0
 
     def __post_init__(self):
@@ -153,37 +157,80 @@ class Deployment:
         self._request_counter = itertools.count()
         self.retired_prompt_tokens = 0
         self.reshapes: list[ReshapeReport] = []
+        self.num_recoveries = 0
+        self.policy = TPPolicy(TPPolicyConfig(opts.tp_policy, opts.router, opts.scale_down_load), self.degrees)
+        self.long_request_ids: set[str] = set()
+        self.num_rejected_reshapes = 0
         self._procs, self._conns = [], []
         self._pool: ThreadPoolExecutor | None = None
         self.instances: list[Instance] = []
         try:
             self._start_workers()
             self.instances = self._build_instances(self.topology)
+            self.tp1_blocks = self.call(0, "kv_capacity", 1, 0)  # what "long" means: more than a TP1 instance holds
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------------ workers
-    def _start_workers(self) -> None:
+    def _spawn(self, worker_id: int, port: int):
         opts = self.options
         ctx = torch.multiprocessing.get_context("spawn")
-        port = _free_port()
         threads = opts.threads_per_worker or max(1, (os.cpu_count() or 1) // opts.num_workers)
+        parent, child = ctx.Pipe()
+        config = WorkerConfig(str(self.checkpoint_dir), worker_id, opts.num_workers, tuple(self.topology.sizes),
+                              port, dtype=opts.dtype, device=opts.device, block_size=opts.block_size,
+                              kv_cache_memory=opts.kv_cache_memory, page_size=opts.page_size, num_threads=threads)
+        proc = ctx.Process(target=worker_main, args=(child, config, self.store), daemon=True,
+                           name=f"elastic-hf-worker-{worker_id}")
+        proc.start()
+        child.close()
+        return proc, parent
+
+    def _start_workers(self) -> None:
+        opts = self.options
+        port = _free_port()
         for worker_id in range(opts.num_workers):
-            parent, child = ctx.Pipe()
-            config = WorkerConfig(str(self.checkpoint_dir), worker_id, opts.num_workers, tuple(self.topology.sizes),
-                                  port, dtype=opts.dtype, device=opts.device, block_size=opts.block_size,
-                                  kv_cache_memory=opts.kv_cache_memory, page_size=opts.page_size,
-                                  num_threads=threads)
-            proc = ctx.Process(target=worker_main, args=(child, config, self.store), daemon=True,
-                               name=f"elastic-hf-worker-{worker_id}")
-            proc.start()
-            child.close()
+            proc, conn = self._spawn(worker_id, port)
             self._procs.append(proc)
-            self._conns.append(parent)
+            self._conns.append(conn)
         for worker_id in range(opts.num_workers):
             self._receive(worker_id, "start", timeout=opts.start_timeout_s)
         self._pool = ThreadPoolExecutor(max_workers=opts.num_workers, thread_name_prefix="elastic-hf-instance")
+
+    def dead_workers(self) -> list[int]:
+        return [w for w, proc in enumerate(self._procs) if not proc.is_alive()]
+
+    def recover(self) -> list[int]:
+        """Replace dead worker processes under the current topology. The survivors leave the broken
+        torch.distributed world and form a new one with the replacements, which load their shard from the shared
+        host store. Requests of an instance that lost a worker lost part of their KV and are recomputed (the
+        scheduler's preemption path); every other instance continues untouched. Returns the replaced ids."""
+        dead = self.dead_workers()
+        if not dead:
+            return []
+        port = _free_port()
+        survivors = [w for w in range(self.options.num_workers) if w not in dead]
+        for w in survivors:
+            self._conns[w].send(("rejoin", (port,)))
+        for w in dead:
+            self._conns[w].close()
+            self._procs[w], self._conns[w] = self._spawn(w, port)
+        for w in dead:
+            self._receive(w, "start", timeout=self.options.start_timeout_s)
+        for w in survivors:
+            self._receive(w, "rejoin")
+        for inst in self.instances:
+            lost = [w for w in inst.workers if w in dead]
+            if not lost:
+                continue
+            scheduler = inst.engine.scheduler
+            self.call_many(lost, "init_kv", scheduler.allocator.num_total)
+            for seq in reversed(list(scheduler.running)):  # youngest first, so the oldest ends up in front
+                scheduler._preempt(seq)
+        self.num_recoveries += 1
+        log.warning("replaced dead workers %s; topology %s", dead, self.topology)
+        return dead
 
     def _receive(self, worker: int, method: str, timeout: float | None = None):
         conn = self._conns[worker]
@@ -192,6 +239,7 @@ class Deployment:
         try:
             status, result, remote_tb = conn.recv()
         except (EOFError, ConnectionResetError) as exc:
+            self._procs[worker].join(timeout=10)  # the pipe closes before the process is reaped
             code = self._procs[worker].exitcode
             raise WorkerError(worker, method, f"worker process died (exit code {code})") from exc
         if status != "ok":
@@ -252,25 +300,66 @@ class Deployment:
     def _blocks_needed(self, prompt_ids: list[int], params: SamplingParams) -> int:
         return -(-(len(prompt_ids) + params.max_tokens) // self.options.block_size)
 
-    def route(self, prompt_ids: list[int], params: SamplingParams) -> Instance:
-        """Least-loaded instance whose KV cache can hold the whole request."""
-        needed = self._blocks_needed(prompt_ids, params) * params.n
-        fits = [i for i in self.instances if i.engine.scheduler.allocator.num_total >= needed]
-        if not fits:
-            biggest = max(i.engine.scheduler.allocator.num_total for i in self.instances)
-            raise ValueError(f"request needs {needed} KV blocks; the largest instance of topology {self.topology} "
-                             f"holds {biggest}")
-        return min(fits, key=lambda i: (i.load(), len(i.engine.requests)))
+    def loads(self) -> list[InstanceLoad]:
+        out = []
+        for idx, inst in enumerate(self.instances):
+            allocator = inst.engine.scheduler.allocator
+            num_long = sum(1 for r in inst.engine.requests if r in self.long_request_ids)
+            out.append(InstanceLoad(idx, inst.tp, allocator.num_total, allocator.num_used, len(inst.engine.requests),
+                                    num_long))
+        return out
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, instance: int | None = None) -> str:
+        """Route a request (Gyges Alg. 1). Under the elastic TP policy a request that no instance can hold first
+        merges instances (x2, a reshape at this step boundary)."""
         params = params or SamplingParams(temperature=0.0)
         request_id = request_id or f"dep-{next(self._request_counter)}"
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) \
             else list(prompt)
-        target = self.instances[instance] if instance is not None else self.route(prompt_ids, params)
-        target.engine.add_request(request_id, prompt_ids, params)
+        need = self._blocks_needed(prompt_ids, params) * params.n
+        is_long = need > self.tp1_blocks
+        if instance is None:
+            for _ in range(len(self.degrees) + 1):
+                loads = self.loads()
+                instance, fits_now = self.policy.route(loads, need, is_long)
+                never_fits = loads[instance].num_total_blocks < need
+                router = self.policy.config.router
+                wants_more = is_long and not fits_now and router == "elastic"
+                if not (never_fits or wants_more):
+                    break
+                anchor = None if router == "elastic" else instance
+                target = self.policy.scale_up_target(self.topology.sizes, loads, anchor)
+                if target is None:
+                    break
+                self.reshape(target)
+        engine = self.instances[instance].engine
+        if engine.scheduler.allocator.num_total < need:
+            raise ValueError(f"request needs {need} KV blocks; instance {instance} of topology {self.topology} "
+                             f"holds {engine.scheduler.allocator.num_total} and the TP policy "
+                             f"{self.policy.config.tp_policy!r} cannot merge further")
+        engine.add_request(request_id, prompt_ids, params)
+        if is_long:
+            self.long_request_ids.add(request_id)
         return request_id
+
+    def _maybe_scale_down(self) -> None:
+        """Gyges Alg. 2 at a step boundary: split a merged instance once no long request is left on it and its
+        load is low enough."""
+        if not self.policy.is_elastic:
+            return
+        live = {r for inst in self.instances for r in inst.engine.requests}
+        self.long_request_ids &= live
+        target = self.policy.scale_down_target(self.topology.sizes, self.loads())
+        if target is None:
+            return
+        try:
+            self.reshape(target)
+        except (ValueError, ReshapeAborted) as exc:
+            # The running requests do not fit the split instances yet (the plan says so, or a worker's budget
+            # refused the pages and the transaction rolled back): the old topology serves on, retry later.
+            self.num_rejected_reshapes += 1
+            log.info("scale-down to %s postponed: %s", list(target), exc)
 
     def has_unfinished_requests(self) -> bool:
         return any(i.engine.has_unfinished_requests() for i in self.instances)
@@ -280,11 +369,18 @@ class Deployment:
         busy = [i for i in self.instances if i.engine.scheduler.has_work()]
         if not busy:
             return []
-        if len(busy) == 1:
-            return busy[0].engine.step()
-        outputs = []
-        for out in self._pool.map(lambda inst: inst.engine.step(), busy):
-            outputs.extend(out)
+        futures = [self._pool.submit(inst.engine.step) for inst in busy]
+        outputs, errors = [], []
+        for future in futures:
+            try:
+                outputs.extend(future.result())
+            except WorkerError as exc:  # that instance's step did not happen; its scheduler state is retryable
+                errors.append(exc)
+        if errors:
+            if not self.dead_workers():
+                raise errors[0]
+            self.recover()
+        self._maybe_scale_down()
         return outputs
 
     def generate(self, prompts: list[list[int]] | list[str], max_tokens: int = 16, **sampling) -> list[RequestOutput]:
@@ -298,7 +394,9 @@ class Deployment:
         return [results[r] for r in ids]
 
     def stats(self) -> dict:
-        return {"topology": str(self.topology),
+        return {"topology": str(self.topology), "num_transforms": sum(r.committed for r in self.reshapes),
+                "num_rolled_back": sum(not r.committed for r in self.reshapes),
+                "transform_seconds": [round(r.seconds, 4) for r in self.reshapes if r.committed],
                 "num_computed_prompt_tokens": self.retired_prompt_tokens + sum(
                     i.engine.num_computed_prompt_tokens for i in self.instances),
                 "num_preemptions": sum(i.engine.scheduler.num_preemptions for i in self.instances),
@@ -322,15 +420,25 @@ class Deployment:
         plan, placement = self._plan(old, new)
         workers = list(range(self.options.num_workers))
         try:
-            stats = self.call_many(workers, "prepare_reshape", plan)
+            stats = self.call_many(workers, RESHAPE_PHASES[0], plan)
+            for phase in RESHAPE_PHASES[1:]:
+                stats = self.call_many(workers, phase)
         except WorkerError as exc:
-            self._rollback(workers)
+            self._rollback([w for w in workers if w not in self.dead_workers()])
             report = ReshapeReport(str(old), str(new), time.perf_counter() - start, False)
             self.reshapes.append(report)
+            self.recover()  # a worker that died before the commit point is replaced under the old topology
             raise ReshapeAborted(f"reshape {old} -> {new} rolled back: {exc}") from exc
         # ---- commit point: every worker holds the new shard, the migrated KV and the new groups ----
-        self.call_many(workers, "commit_reshape")
-        self._resume(new, plan, placement)
+        try:
+            self.call_many(workers, "commit_reshape")
+        except WorkerError:
+            if not self.dead_workers():
+                raise
+            self._resume(new, plan, placement)
+            self.recover()  # after the commit point: replace the dead worker under the new topology
+        else:
+            self._resume(new, plan, placement)
         report = ReshapeReport(str(old), str(new), time.perf_counter() - start, True, stats, len(plan.seq_moves))
         self.reshapes.append(report)
         return report

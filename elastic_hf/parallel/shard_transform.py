@@ -61,7 +61,7 @@ class ShardedWeights:
                     bias = old.bias.data if old.bias is not None else None
                     new = ShardableLinear(lay, mode, self.arena, offset, old.in_features, old.out_features,
                                           old.weight.dtype, bias)
-                    new.load(old.weight.data, lay.shard_chunks(tp, rank))
+                    new.load(store.get(layer_idx, kind), lay.shard_chunks(tp, rank))  # host store: one source
                     new.set_shard(tp, rank, group)
                     parent_name, _, attr = names[kind].rpartition(".")
                     setattr(layer.get_submodule(parent_name), attr, new)

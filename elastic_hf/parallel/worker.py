@@ -4,6 +4,7 @@ data through one RPC entry point, `call(method, *args)` over a pipe. Tensors bet
 torch.distributed (gloo on CPU, NCCL on GPU, TCPStore rendezvous)."""
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import traceback
@@ -23,7 +24,9 @@ from elastic_hf.parallel.weight_store import SharedWeightStore
 
 log = logging.getLogger(__name__)
 
-RESHAPE_STAGES = ("weights_first", "kv_trim", "kv_migrate", "weights_last", "prepared")
+RESHAPE_STAGES = ("weights_first", "kv_trim", "kv_migrate", "weights_last", "prepared")  # before the commit point
+FAULT_STAGES = RESHAPE_STAGES + ("committed",)
+RESHAPE_PHASES = ("prepare_reshape", "migrate_reshape_kv", "finish_reshape_weights")
 
 
 @dataclass(slots=True)
@@ -40,6 +43,7 @@ class WorkerConfig:
     kv_cache_memory: int = 64 << 20  # KV bytes this worker has as a TP1 instance; the budget adds the weights
     page_size: int | None = None
     num_threads: int | None = None
+    collective_timeout_s: float = 120.0
 
     def __post_init__(self):
         if not 0 <= self.worker_id < self.num_workers:
@@ -67,7 +71,9 @@ class Worker:
         import torch.distributed as dist
 
         from elastic_hf.kv.paged_attention import register_paged_attention
-        from elastic_hf.model.loader import load_hf_model, parse_dtype
+        from transformers import AutoModelForCausalLM
+
+        from elastic_hf.model.loader import parse_dtype
         from elastic_hf.model.runner import ModelRunner
         from elastic_hf.patches import get_adapter
 
@@ -82,11 +88,15 @@ class Worker:
         else:
             self.device = torch.device("cpu")
             backend = "gloo"
+        # A bounded timeout: a peer that dies mid-transfer fails the collective instead of hanging for 30 min.
         dist.init_process_group(backend, init_method=f"tcp://{config.master_addr}:{config.master_port}",
-                                rank=self.me, world_size=config.num_workers)
+                                rank=self.me, world_size=config.num_workers,
+                                timeout=datetime.timedelta(seconds=config.collective_timeout_s))
         self.dtype = parse_dtype(config.dtype)
         attn = register_paged_attention()
-        self.hf_model, _ = load_hf_model(config.checkpoint_dir, self.dtype, attn)
+        # The model only: the tokenizer lives in the control plane.
+        self.hf_model = AutoModelForCausalLM.from_pretrained(config.checkpoint_dir, dtype=self.dtype,
+                                                             attn_implementation=attn).eval().requires_grad_(False)
         self.hf_model.to(self.device)
         hf_config = self.hf_model.config
         self.adapter = get_adapter(hf_config)
@@ -136,9 +146,13 @@ class Worker:
             raise
 
     def _check_fault(self, stage: str) -> None:
-        if self._fault == stage:
-            self._fault = None
-            raise RuntimeError(f"fault injected at reshape stage {stage!r} on worker {self.me}")
+        if self._fault is None or self._fault[0] != stage:
+            return
+        _, kill = self._fault
+        self._fault = None
+        if kill:
+            os._exit(17)  # a real process death, as a crash or an OOM kill would leave it
+        raise RuntimeError(f"fault injected at reshape stage {stage!r} on worker {self.me}")
 
     # ------------------------------------------------------------------ RPC: setup and steps
     def ping(self) -> int:
@@ -148,6 +162,10 @@ class Worker:
         return {"worker": self.me, "num_kv_heads": self.num_kv_heads, "num_layers": self.num_layers,
                 "degrees": list(self.spec.degrees), "page_size": self.spec.page_size,
                 "budget_bytes": self.budget.total_bytes, "weights_tp1_bytes": self.weights.shard_bytes(1, 0)}
+
+    def shard_bytes(self, tp: int, rank: int) -> int:
+        """Committed weight bytes of this worker as shard (tp, rank)."""
+        return self.weights.shard_bytes(tp, rank)
 
     def kv_capacity(self, tp: int, rank: int) -> int:
         """KV blocks this worker can hold as shard (tp, rank) once its weights are that shard."""
@@ -177,59 +195,86 @@ class Worker:
                 "kv_blocks": self.pool.num_blocks if self.pool is not None else 0,
                 "rss_anon_bytes": rss_anon_bytes(), "topology": str(self.topology)}
 
-    def arm_fault(self, stage: str | None) -> None:
-        """Make the next reshape raise at `stage` (one of RESHAPE_STAGES); for transaction tests and drills."""
-        if stage is not None and stage not in RESHAPE_STAGES:
-            raise ValueError(f"stage must be one of {RESHAPE_STAGES}, got {stage!r}")
-        self._fault = stage
+    def arm_fault(self, stage: str | None, kill: bool = False) -> None:
+        """Make the next reshape fail at `stage` (one of RESHAPE_STAGES): raise, or with kill=True end the process.
+        For transaction tests and failure drills."""
+        if stage is not None and stage not in FAULT_STAGES:
+            raise ValueError(f"stage must be one of {FAULT_STAGES}, got {stage!r}")
+        self._fault = None if stage is None else (stage, kill)
+
+    def rejoin(self, master_port: int) -> None:
+        """After a peer died: leave the broken world and join the new one with its replacement, rebuilding every
+        candidate topology's group (the same collective order as at start)."""
+        import torch.distributed as dist
+
+        backend = dist.get_backend() if dist.is_initialized() else ("nccl" if self.device.type == "cuda" else "gloo")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.config.master_port = master_port
+        dist.init_process_group(backend, init_method=f"tcp://{self.config.master_addr}:{master_port}",
+                                rank=self.me, world_size=self.config.num_workers,
+                                timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
+        self.groups = ProcessGroups(self.groups.topologies, backend)
+        role = self.groups.for_topology(self.topology, self.me)
+        if role is not None:
+            self.weights.set_group(role[0])
 
     # ------------------------------------------------------------------ RPC: reshape transaction
     def prepare_reshape(self, plan: ReshapePlan) -> dict:
-        """Everything up to the commit point. The old KV pool stays intact (only its unused blocks are
-        decommitted), so abort_reshape() can always return to the old topology."""
+        """Phase 1 of 3 before the commit point: scale-up releases the MLP shards it no longer owns (MLP first, so
+        the freed pages can take the migrated KV, Gyges §4.3); the old pool decommits its unused blocks. The
+        control plane runs each phase on every worker and starts the next only when all succeeded, so no worker
+        waits in a transfer on a peer that already failed."""
         if self._txn is not None:
             raise RuntimeError(f"worker {self.me} already has a reshape in flight")
         old_role, new_role = self._role(plan.old), self._role(plan.new)
         if old_role is None or new_role is None:
             raise NotImplementedError("reshapes that move workers into or out of standby are not supported yet")
-        old_group, old_tp, old_rank = self.groups.for_topology(plan.old, self.me)
-        new_group, new_tp, new_rank = self.groups.for_topology(plan.new, self.me)
-        txn = {"plan": plan, "old": (old_group, old_tp, old_rank), "new": (new_group, new_tp, new_rank),
-               "trimmed": [], "new_pool": None, "stats": {}}
+        old = self.groups.for_topology(plan.old, self.me)
+        new = self.groups.for_topology(plan.new, self.me)
+        txn = {"plan": plan, "old": old, "new": new, "trimmed": [], "new_pool": None,
+               "stats": {"weights_bytes_before": self.budget.used_bytes("weights"),
+                         "kv_bytes_before": self.budget.used_bytes("kv")}}
         self._txn = txn
-        stats = txn["stats"]
-        budget_kv_before = self.budget.used_bytes("kv")
-        weights_before = self.budget.used_bytes("weights")
-        scale_up = new_tp > old_tp
-        # Scale-up: MLP first, so the freed pages can take the migrated KV (Gyges §4.3). Scale-down: KV first.
-        first, last = (MLP_KINDS, ATTENTION_KINDS) if scale_up else ((), ATTENTION_KINDS + MLP_KINDS)
-        if first:
-            stats["weights_first"] = self.weights.switch(first, new_tp, new_rank, new_group)
+        new_group, new_tp, new_rank = new
+        if new_tp > old[1]:
+            txn["stats"]["weights_first"] = self.weights.switch(MLP_KINDS, new_tp, new_rank, new_group)
         self._check_fault("weights_first")
-
+        # The old pool keeps its live blocks until the commit point (rollback needs them); the rest go back now.
         live = set(plan.live_old_blocks[old_role[0]])
         block_bytes = self.pool.layout.block_bytes
-        for block_id in range(self.pool.max_blocks):
-            if block_id in self.pool.allocator._attached and block_id not in live:
-                self.pool.arena.decommit(block_id * block_bytes, block_bytes)
-                txn["trimmed"].append(block_id)
+        for block_id in sorted(self.pool.allocator._attached - live):
+            self.pool.arena.decommit(block_id * block_bytes, block_bytes)
+            txn["trimmed"].append(block_id)
         self._check_fault("kv_trim")
+        return txn["stats"]
 
-        kv_before_migration = self.budget.used_bytes("kv")
-        new_pool = self._new_pool(new_tp, new_rank, plan.num_live_new_blocks[new_role[0]])
+    def migrate_reshape_kv(self) -> dict:
+        """Phase 2: a new pool for the new head range holds the live blocks; KV moves by (block, head range)."""
+        txn = self._require_txn()
+        plan: ReshapePlan = txn["plan"]
+        (_, old_tp, old_rank), (_, new_tp, new_rank) = txn["old"], txn["new"]
+        kv_before = self.budget.used_bytes("kv")
+        new_pool = self._new_pool(new_tp, new_rank, plan.num_live_new_blocks[self._role(plan.new)[0]])
         txn["new_pool"] = new_pool
         old_h0 = head_range(self.num_kv_heads, old_tp, old_rank)[0]
         new_h0 = head_range(self.num_kv_heads, new_tp, new_rank)[0]
-        stats["kv"] = migrate_kv(plan.transfers, self.me, self.pool, old_h0, new_pool, new_h0)
-        stats["kv"]["new_pool_live_bytes"] = self.budget.used_bytes("kv") - kv_before_migration
-        stats["kv"]["peak_extra_bytes"] = stats["kv"]["new_pool_live_bytes"] + stats["kv"]["peak_staging_bytes"]
+        kv = migrate_kv(plan.transfers, self.me, self.pool, old_h0, new_pool, new_h0)
+        kv["new_pool_live_bytes"] = self.budget.used_bytes("kv") - kv_before
+        kv["peak_extra_bytes"] = kv["new_pool_live_bytes"] + kv["peak_staging_bytes"]
+        txn["stats"]["kv"] = kv
         self._check_fault("kv_migrate")
+        return kv
 
-        stats["weights_last"] = self.weights.switch(last, new_tp, new_rank, new_group)
+    def finish_reshape_weights(self) -> dict:
+        """Phase 3: attention (and, scaling down, the MLP after the KV) switch to the new shard; scale-down loads
+        the chunks it now needs from the shared host store."""
+        txn = self._require_txn()
+        new_group, new_tp, new_rank = txn["new"]
+        stats = txn["stats"]
+        stats["weights_last"] = self.weights.switch(ATTENTION_KINDS + MLP_KINDS, new_tp, new_rank, new_group)
         self._check_fault("weights_last")
-        stats["weights_bytes_before"] = weights_before
         stats["weights_bytes_after"] = self.budget.used_bytes("weights")
-        stats["kv_bytes_before"] = budget_kv_before
         self._check_fault("prepared")
         return stats
 
@@ -247,6 +292,7 @@ class Worker:
         if extra > 0:
             new_pool.attach_blocks(extra)
         self._txn = None
+        self._check_fault("committed")
         return self.memory_report()
 
     def abort_reshape(self) -> dict:
@@ -298,4 +344,5 @@ def worker_main(conn, config: WorkerConfig, store: SharedWeightStore) -> None:
         except BaseException as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         if method == "shutdown":
-            break
+            conn.close()
+            os._exit(0)  # skip interpreter teardown (seconds with torch loaded); the arenas die with the process

@@ -35,13 +35,13 @@ def _authorized(request: Request, admin_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), admin_key.encode())
 
 
-def admin_morph_router(model, admin_key: str | None, async_engine=None) -> APIRouter:
-    """Routes over `model.morph` (ElasticModel). Without an admin key every call gets 403: an unauthenticated
-    endpoint that rewrites the model must not exist by accident. With `async_engine`, the morph manager is told
-    that the engine thread drives the model (swaps then happen at that thread's step boundaries)."""
+def admin_morph_router(model, async_engine, admin_key: str | None) -> APIRouter:
+    """Routes over `model.morph` (ElasticModel) served by `async_engine`. Without an admin key every call gets
+    403: an unauthenticated endpoint that rewrites the model must not exist by accident. The morph manager is
+    told that the engine thread drives the model, so swaps happen at that thread's step boundaries."""
     router = APIRouter()
     manager = getattr(model, "morph", None)
-    if manager is not None and async_engine is not None:
+    if manager is not None:
         # AsyncEngine.abort of an unknown id is a documented no-op that wakes its thread: the thread then sees
         # the manager's pending work through LLMEngine.has_unfinished_requests and runs a step boundary.
         manager.attach_driver(lambda: async_engine.abort("__morph_wake__"))

@@ -19,12 +19,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "With no MODEL every command uses the embedded SmolLM2-135M-Instruct.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            # One broken subcommand (a missing optional package) must not take the others down.
+            sub_parser = sub.add_parser(name, help=f"{help_text} (unavailable: {exc})")
+            sub_parser.set_defaults(_run=lambda args, exc=exc, name=name: _unavailable(name, exc))
+            continue
         sub_parser = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(sub_parser)
         sub_parser.set_defaults(_run=module.run)
     return parser
+
+
+def _unavailable(name: str, exc: ImportError) -> int:
+    print(f"elastic-hf {name} is unavailable: {exc}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -150,3 +150,29 @@ def test_shutdown_fails_pending_requests(engine):
                 pass
 
     asyncio.run(run())
+
+
+def test_call_runs_on_engine_thread_between_steps(engine):
+    import threading
+
+    async_engine, fake = engine
+
+    async def run():
+        name = await async_engine.call(lambda: threading.current_thread().name)
+        with pytest.raises(KeyError):
+            await async_engine.call(lambda: {}["missing"])
+        return name
+
+    assert asyncio.run(run()) == "elastic-hf-engine"
+    assert asyncio.run(_collect(async_engine, "still serving", 2))[-1].finished
+
+
+def test_wake_rechecks_engine_work(engine):
+    async_engine, fake = engine
+    # Work that appears inside the engine without a command (as the morph manager does) runs after wake().
+    fake.requests["internal"] = [3, []]
+    async_engine.wake()
+    deadline = time.monotonic() + 10
+    while fake.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not fake.requests

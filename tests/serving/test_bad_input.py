@@ -41,6 +41,7 @@ def _bad_cases(model_id: str, max_body_bytes: int):
         ("chat prompt too long", "/v1/chat/completions",
          {**chat, "messages": [{"role": "user", "content": long_prompt}]}, 400, [str(TINY_MAX_MODEL_LEN)]),
         ("empty prompt", "/v1/completions", {**ok, "prompt": ""}, 400, ["empty"]),
+        ("one bad prompt of a batch", "/v1/completions", {**ok, "prompt": ["Hello", "", "World"]}, 400, ["empty"]),
         ("token id out of vocab", "/v1/completions", {**ok, "prompt": [1, 2, 10**9]}, 400, ["token ids"]),
         ("unknown model", "/v1/completions", {**ok, "model": "gpt-99"}, 404, ["gpt-99", model_id]),
         ("negative temperature", "/v1/completions", {**ok, "temperature": -0.5}, 400, ["temperature", "-0.5"]),

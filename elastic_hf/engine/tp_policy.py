@@ -1,0 +1,110 @@
+"""Routing across instances and when to change their TP degree (Gyges §5 Alg. 1-2, AMOEBA §3.3), torch-free.
+
+The deployment hands over a snapshot of every instance's KV load; the policy answers with an instance to route to,
+or a target topology (a tuple of TP degrees over consecutive workers) to reshape into first. Routers:
+- "elastic": only instances that can hold the request (input + output blocks vs free blocks); long requests prefer
+  instances already at TP > 1 (consecutive long requests reuse the merge), short ones prefer TP1 instances so the
+  merged ones drain and can split back;
+- "least_load" and "round_robin": the baselines; with an elastic TP policy they scale up around the instance they
+  picked when it cannot hold the request."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+ROUTERS = ("elastic", "least_load", "round_robin")
+TP_POLICIES = ("static", "elastic")
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    index: int
+    tp: int
+    num_total_blocks: int
+    num_used_blocks: int
+    num_requests: int
+    num_long: int            # running requests too long for a TP1 instance
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_total_blocks - self.num_used_blocks
+
+    @property
+    def load(self) -> float:
+        return self.num_used_blocks / max(self.num_total_blocks, 1)
+
+
+@dataclass(slots=True)
+class TPPolicyConfig:
+    tp_policy: str = "elastic"
+    router: str = "elastic"
+    scale_down_load: float = 0.5   # split a merged instance once no long request remains and its load is below
+
+    def __post_init__(self):
+        if self.tp_policy not in TP_POLICIES:
+            raise ValueError(f"tp_policy must be one of {TP_POLICIES}, got {self.tp_policy!r}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if not 0.0 < self.scale_down_load <= 1.0:
+            raise ValueError(f"scale_down_load must be in (0, 1], got {self.scale_down_load}")
+
+
+class TPPolicy:
+    def __init__(self, config: TPPolicyConfig | None = None, degrees: tuple[int, ...] = (1, 2)):
+        self.config = config or TPPolicyConfig()
+        self.degrees = tuple(degrees)
+        self._rr = itertools.count()
+
+    @property
+    def is_elastic(self) -> bool:
+        return self.config.tp_policy == "elastic"
+
+    # ------------------------------------------------------------------ Alg. 1: routing
+    def route(self, loads: list[InstanceLoad], num_blocks: int, is_long: bool) -> tuple[int, bool]:
+        """(instance index, whether it can hold the request now). The baselines pick first and check after."""
+        router = self.config.router
+        if router == "round_robin":
+            pick = loads[next(self._rr) % len(loads)]
+            return pick.index, pick.num_free_blocks >= num_blocks
+        if router == "least_load":
+            pick = min(loads, key=lambda x: (x.load, x.num_requests, x.index))
+            return pick.index, pick.num_free_blocks >= num_blocks
+        fits = [x for x in loads if x.num_free_blocks >= num_blocks]
+        if not fits:
+            # Nothing holds it now: the least-loaded instance that could once others finish, else the largest.
+            could = [x for x in loads if x.num_total_blocks >= num_blocks]
+            pick = min(could, key=lambda x: (x.load, x.index)) if could else max(loads, key=lambda x: x.num_total_blocks)
+            return pick.index, False
+        if is_long:  # consecutive long requests: reuse an instance already at higher TP
+            pick = min(fits, key=lambda x: (-x.tp, x.load, x.index))
+        else:        # short requests avoid merged instances so they can drain and split back
+            pick = min(fits, key=lambda x: (x.tp, x.load, x.index))
+        return pick.index, True
+
+    # ------------------------------------------------------------------ scale-up (x2, least-loaded equal TP)
+    def scale_up_target(self, sizes: tuple[int, ...], loads: list[InstanceLoad],
+                        anchor: int | None = None) -> tuple[int, ...] | None:
+        """Merge two adjacent instances of equal TP into one of twice the degree: the least-loaded pair, or the pair
+        containing `anchor` (the baselines' pick). None when no merge is allowed."""
+        if not self.is_elastic:
+            return None
+        pairs = []
+        for i in range(len(sizes) - 1):
+            if sizes[i] == sizes[i + 1] and 2 * sizes[i] in self.degrees:
+                if anchor is None or anchor in (i, i + 1):
+                    pairs.append((loads[i].load + loads[i + 1].load, -sizes[i], i))
+        if not pairs:
+            return None
+        _, _, i = min(pairs)
+        return sizes[:i] + (2 * sizes[i],) + sizes[i + 2:]
+
+    # ------------------------------------------------------------------ Alg. 2: scale-down
+    def scale_down_target(self, sizes: tuple[int, ...], loads: list[InstanceLoad]) -> tuple[int, ...] | None:
+        """Split the first merged instance with no long request left and load below the threshold in halves."""
+        if not self.is_elastic:
+            return None
+        for i, x in enumerate(loads):
+            if x.tp > 1 and x.num_long == 0 and x.load < self.config.scale_down_load and x.tp // 2 in self.degrees:
+                half = x.tp // 2
+                return sizes[:i] + (half, half) + sizes[i + 1:]
+        return None

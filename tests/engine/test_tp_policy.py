@@ -1,0 +1,49 @@
+"""The TP routing policy (Gyges Alg. 1-2), torch-free: who can hold a request, long requests prefer merged
+instances, merges are x2 of equal adjacent degrees, merged instances split back when drained."""
+import pytest
+
+from elastic_hf.engine.tp_policy import InstanceLoad, TPPolicy, TPPolicyConfig
+
+
+def _loads(*specs):
+    return [InstanceLoad(i, tp, total, used, 0, num_long) for i, (tp, total, used, num_long) in enumerate(specs)]
+
+
+def test_elastic_router_prefers_tp1_for_short_and_merged_for_long():
+    policy = TPPolicy(TPPolicyConfig("elastic", "elastic"), (1, 2, 4))
+    loads = _loads((2, 300, 100, 1), (1, 50, 10, 0), (1, 50, 40, 0))
+    assert policy.route(loads, 5, is_long=False) == (1, True)
+    assert policy.route(loads, 80, is_long=True) == (0, True)
+    assert policy.route(loads, 250, is_long=True) == (0, False)  # nothing holds it now
+
+
+def test_baselines_pick_first_and_check_after():
+    rr = TPPolicy(TPPolicyConfig("elastic", "round_robin"))
+    loads = _loads((1, 50, 0, 0), (1, 50, 0, 0))
+    assert [rr.route(loads, 60, True) for _ in range(3)] == [(0, False), (1, False), (0, False)]
+    llf = TPPolicy(TPPolicyConfig("elastic", "least_load"))
+    assert llf.route(_loads((1, 50, 30, 0), (1, 50, 10, 0)), 5, False) == (1, True)
+
+
+def test_scale_up_merges_least_loaded_equal_pair():
+    policy = TPPolicy(TPPolicyConfig("elastic", "elastic"), (1, 2, 4))
+    loads = _loads((1, 50, 40, 0), (1, 50, 30, 0), (1, 50, 0, 0), (1, 50, 5, 0))
+    assert policy.scale_up_target((1, 1, 1, 1), loads) == (1, 1, 2)
+    assert policy.scale_up_target((1, 1, 1, 1), loads, anchor=0) == (2, 1, 1)
+    assert policy.scale_up_target((2, 2), _loads((2, 90, 0, 0), (2, 90, 0, 0))) == (4,)
+    assert policy.scale_up_target((2, 1, 1), _loads((2, 90, 0, 0), (1, 50, 0, 0), (1, 50, 0, 0))) == (2, 2)
+    assert TPPolicy(TPPolicyConfig("static")).scale_up_target((1, 1), _loads((1, 5, 0, 0), (1, 5, 0, 0))) is None
+
+
+def test_scale_down_waits_for_long_requests_and_low_load():
+    policy = TPPolicy(TPPolicyConfig("elastic", "elastic"), (1, 2))
+    assert policy.scale_down_target((2,), _loads((2, 100, 10, 1))) is None   # a long request is still there
+    assert policy.scale_down_target((2,), _loads((2, 100, 60, 0))) is None   # load above 50 %
+    assert policy.scale_down_target((2,), _loads((2, 100, 10, 0))) == (1, 1)
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="tp_policy"):
+        TPPolicyConfig("dynamic")
+    with pytest.raises(ValueError, match="router"):
+        TPPolicyConfig("elastic", "random")

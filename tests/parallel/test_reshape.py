@@ -1,0 +1,173 @@
+"""Runtime TP transformation as a transaction on 2 worker processes (3 KV heads: TP2 splits them 2 + 1):
+requests decoding across [1,1] -> [2] -> [1,1] produce the tokens of an untransformed run without any re-prefill;
+scale-up gives back the freed shard pages (ledger and RSS) and scale-down takes them again; a failure before the
+commit point leaves the old topology serving every request."""
+import pytest
+
+from elastic_hf.engine.sampling_params import SamplingParams
+from elastic_hf.engine.tp_policy import TPPolicy, TPPolicyConfig
+from elastic_hf.model.loader import load_hf_model
+from elastic_hf.parallel.deployment import Deployment, ReshapeAborted
+from elastic_hf.parallel.worker import RESHAPE_STAGES
+from greedy_reference import hf_greedy, mixed_prompts
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def setup(tp_checkpoint):
+    path = tp_checkpoint("kv3")
+    reference, tokenizer = load_hf_model(path)
+    prompts = mixed_prompts(tokenizer, 6, 3, 90, seed=21)
+    expected = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+    # A 48-token step budget keeps some prompts mid-prefill (chunked) when a reshape starts.
+    # 1 MiB of KV per worker: 51 blocks of 16 tokens, so an 880-token request is "long" for a TP1 instance.
+    dep = Deployment(str(path), num_workers=2, kv_cache_memory=1 << 20, max_num_batched_tokens=48)
+    yield dep, prompts, expected, reference
+    dep.close()
+
+
+def _submit(dep, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    return [dep.add_request(p, params) for p in prompts]
+
+
+def _run(dep, ids, done, num_steps=None):
+    steps = 0
+    while len(done) < len(ids) and (num_steps is None or steps < num_steps):
+        for out in dep.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+    return done
+
+
+def _by_worker(dep, key):
+    return [r[key] for r in dep.memory_report()]
+
+
+def test_idle_reshape_to_tp2_matches_hf(setup):
+    dep, prompts, expected, _ = setup
+    dep.reshape([2])
+    try:
+        outs = dep.generate(prompts[:4], max_tokens=MAX_NEW)
+        assert [o.outputs[0].token_ids for o in outs] == expected[:4]
+    finally:
+        dep.reshape([1, 1])
+
+
+def test_decoding_across_scale_up_and_down_is_exact_without_recompute(setup):
+    dep, prompts, expected, _ = setup
+    assert str(dep.topology) == "[1,1]"
+    prompt_tokens_before = dep.stats()["num_computed_prompt_tokens"]
+    ids = _submit(dep, prompts)
+    done = _run(dep, ids, {}, num_steps=3)
+    running = sum(len(i.engine.scheduler.running) for i in dep.instances)
+    assert running >= 4 and not done
+    weights_tp1 = _by_worker(dep, "weights_bytes")
+    rss_tp1 = _by_worker(dep, "rss_anon_bytes")
+
+    up = dep.reshape([2])
+    assert up.committed and up.num_moved_seqs == len(prompts) and [i.tp for i in dep.instances] == [2]
+    weights_tp2 = _by_worker(dep, "weights_bytes")
+    rss_tp2 = _by_worker(dep, "rss_anon_bytes")
+    for w, stats in enumerate(up.worker_stats):
+        released = stats["weights_first"][1] + stats["weights_last"][1]
+        assert stats["weights_first"][0] == stats["weights_last"][0] == 0  # scale-up copies no weight
+        assert released > 0 and weights_tp1[w] - weights_tp2[w] == released
+        # The freed pages really left the process (KV pages touched meanwhile are far smaller).
+        assert rss_tp1[w] - rss_tp2[w] > released // 2, (rss_tp1, rss_tp2, released)
+        assert stats["kv"]["sent_bytes"] > 0 and stats["kv"]["received_bytes"] > 0
+        assert stats["kv"]["peak_extra_bytes"] > 0
+
+    _run(dep, ids, done, num_steps=4)
+    down = dep.reshape([1, 1])
+    assert down.committed and [i.tp for i in dep.instances] == [1, 1]
+    assert _by_worker(dep, "weights_bytes") == weights_tp1  # every shard page is back
+    _run(dep, ids, done)
+    assert [done[r] for r in ids] == expected
+    stats = dep.stats()
+    assert stats["num_preemptions"] == 0
+    # Exactly one prefill per prompt token: no request was recomputed across the two transforms.
+    assert stats["num_computed_prompt_tokens"] - prompt_tokens_before == sum(len(p) for p in prompts)
+
+
+@pytest.mark.parametrize("stage", RESHAPE_STAGES)
+def test_failure_before_commit_rolls_back(setup, stage):
+    dep, prompts, expected, _ = setup
+    assert str(dep.topology) == "[1,1]"
+    ids = _submit(dep, prompts[:4])
+    done = _run(dep, ids, {}, num_steps=5)
+    before = dep.memory_report()
+    dep.call(1, "arm_fault", stage)
+    with pytest.raises(ReshapeAborted, match=stage):
+        dep.reshape([2])
+    assert str(dep.topology) == "[1,1]" and not dep.reshapes[-1].committed
+    after = dep.memory_report()
+    for b, a in zip(before, after):
+        assert (a["weights_bytes"], a["kv_bytes"], a["kv_blocks"]) == (b["weights_bytes"], b["kv_bytes"],
+                                                                      b["kv_blocks"])
+    _run(dep, ids, done)
+    assert [done[r] for r in ids] == expected[:4]
+
+
+def test_worker_killed_before_commit_is_replaced_and_old_topology_serves(setup):
+    dep, prompts, expected, _ = setup
+    ids = _submit(dep, prompts[:4])
+    done = _run(dep, ids, {}, num_steps=5)
+    old_pid = dep.call(1, "ping")
+    dep.call(1, "arm_fault", "kv_migrate", True)
+    with pytest.raises(ReshapeAborted, match="died"):
+        dep.reshape([2])
+    assert str(dep.topology) == "[1,1]" and dep.call(1, "ping") != old_pid
+    _run(dep, ids, done)
+    assert [done[r] for r in ids] == expected[:4]  # worker 1's requests were recomputed, none was lost
+
+
+def test_worker_killed_after_commit_is_replaced_with_its_shard(setup):
+    dep, prompts, expected, _ = setup
+    ids = _submit(dep, prompts[:4])
+    done = _run(dep, ids, {}, num_steps=5)
+    dep.call(1, "arm_fault", "committed", True)
+    recoveries = dep.num_recoveries
+    dep.reshape([2])  # worker 1 dies right after its commit: the new topology stands, worker 1 is replaced
+    assert str(dep.topology) == "[2]" and dep.num_recoveries == recoveries + 1
+    report = dep.memory_report()[1]
+    assert report["topology"] == "[2]" and report["weights_bytes"] == dep.call(1, "shard_bytes", 2, 1)
+    assert report["weights_bytes"] < dep.call(1, "shard_bytes", 1, 0)  # only its shard came back
+    _run(dep, ids, done)
+    assert [done[r] for r in ids] == expected[:4]
+    dep.reshape([1, 1])
+
+
+def test_elastic_policy_merges_for_a_long_request_and_splits_back(setup):
+    dep, prompts, expected, reference = setup
+    assert str(dep.topology) == "[1,1]"
+    long_prompt = mixed_prompts(dep.tokenizer, 1, 880, 880, seed=22)[0]
+    assert -(-(880 + MAX_NEW) // 16) > dep.tp1_blocks  # does not fit one TP1 worker's KV cache
+    static_policy = dep.policy
+    dep.policy = TPPolicy(TPPolicyConfig("elastic", "elastic"), dep.degrees)
+    try:
+        first = _submit(dep, prompts[:2])
+        done = _run(dep, first, {}, num_steps=2)
+        num_reshapes = len(dep.reshapes)
+        long_id = _submit(dep, [long_prompt])[0]  # no instance holds it: merge [1,1] -> [2] first
+        assert str(dep.topology) == "[2]" and len(dep.reshapes) == num_reshapes + 1
+        later = _submit(dep, prompts[2:4])        # short requests keep arriving and are served on the TP2 instance
+        ids = first + later + [long_id]
+        served_while_long_ran = set()
+        while len(done) < len(ids):
+            for out in dep.step():
+                if long_id not in done and out.request_id != long_id:
+                    served_while_long_ran.add(out.request_id)
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert set(first + later) <= served_while_long_ran
+        assert [done[r] for r in first + later] == expected[:4]
+        assert done[long_id] == hf_greedy(reference, long_prompt, MAX_NEW)
+        assert str(dep.topology) == "[1,1]"  # split back once the long request was gone
+        assert [(r.old, r.new) for r in dep.reshapes[num_reshapes:]] == [("[1,1]", "[2]"), ("[2]", "[1,1]")]
+    finally:
+        dep.policy = static_policy
+        if str(dep.topology) != "[1,1]":
+            dep.reshape([1, 1])
