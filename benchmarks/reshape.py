@@ -105,8 +105,8 @@ def main() -> int:
     print(f"requests: {len(state)} mid-decode, {live_tokens} tokens in KV; deployment start {start_s:.1f} s")
     print(f"in-place [1,1]->[2]: {up.seconds * 1e3:.1f} ms; [2]->[1,1]: {down.seconds * 1e3:.1f} ms")
     print(f"  weights freed per worker: {[mib(f) for f in freed]} (RSS anon drop {[mib(r) for r in rss]})")
-    print(f"  KV sent per worker {[mib(k['sent_bytes']) for k in kv]}, kept local {[mib(k['local_bytes']) for k in kv]}, "
-          f"peak extra {[mib(k['peak_extra_bytes']) for k in kv]}")
+    print(f"  KV sent per worker {[mib(k['sent_bytes']) for k in kv]}, "
+          f"kept local {[mib(k['local_bytes']) for k in kv]}, peak extra {[mib(k['peak_extra_bytes']) for k in kv]}")
     print(f"restart-based to [2]: {restart_s:.2f} s (new processes, checkpoint reload, {reprefill} tokens "
           f"re-prefilled)")
     print(f"short-request throughput: 2 x TP1 {tput_tp1:.1f} tok/s, TP2 {tput_tp2:.1f} tok/s")

@@ -2,9 +2,9 @@
 
 The deployment hands over a snapshot of every instance's KV load; the policy answers with an instance to route to,
 or a target topology (a tuple of TP degrees over consecutive workers) to reshape into first. Routers:
-- "elastic": only instances that can hold the request (input + output blocks vs free blocks); long requests prefer
-  instances already at TP > 1 (consecutive long requests reuse the merge), short ones prefer TP1 instances so the
-  merged ones drain and can split back;
+- "elastic": only instances that can hold the request (input + output blocks vs free blocks), fewest requests per
+  worker first; long requests prefer instances already at TP > 1 (consecutive long requests reuse the merge), short
+  ones see a merged instance as one request busier so that it drains and can split back;
 - "least_load" and "round_robin": the baselines; with an elastic TP policy they scale up around the instance they
   picked when it cannot hold the request."""
 from __future__ import annotations
@@ -24,6 +24,7 @@ class InstanceLoad:
     num_used_blocks: int
     num_requests: int
     num_long: int            # running requests too long for a TP1 instance
+    num_split_blocks: int = 0  # blocks of the two instances it would split into (0 at TP1)
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,12 +74,17 @@ class TPPolicy:
         if not fits:
             # Nothing holds it now: the least-loaded instance that could once others finish, else the largest.
             could = [x for x in loads if x.num_total_blocks >= num_blocks]
-            pick = min(could, key=lambda x: (x.load, x.index)) if could else max(loads, key=lambda x: x.num_total_blocks)
+            if could:
+                pick = min(could, key=lambda x: (x.load, x.index))
+            else:
+                pick = max(loads, key=lambda x: x.num_total_blocks)
             return pick.index, False
         if is_long:  # consecutive long requests: reuse an instance already at higher TP
-            pick = min(fits, key=lambda x: (-x.tp, x.load, x.index))
-        else:        # short requests avoid merged instances so they can drain and split back
-            pick = min(fits, key=lambda x: (x.tp, x.load, x.index))
+            pick = min(fits, key=lambda x: (-x.tp, x.num_requests / x.tp, x.index))
+        else:
+            # Compute load decides (requests per worker: a merged instance's KV fraction looks small because its
+            # capacity is large); a merged instance counts one request more so that it drains and splits back.
+            pick = min(fits, key=lambda x: ((x.num_requests + (x.tp > 1)) / x.tp, x.tp, x.index))
         return pick.index, True
 
     # ------------------------------------------------------------------ scale-up (x2, least-loaded equal TP)
@@ -100,11 +106,15 @@ class TPPolicy:
 
     # ------------------------------------------------------------------ Alg. 2: scale-down
     def scale_down_target(self, sizes: tuple[int, ...], loads: list[InstanceLoad]) -> tuple[int, ...] | None:
-        """Split the first merged instance with no long request left and load below the threshold in halves."""
+        """Split the first merged instance with no long request left, whose live blocks stay under the threshold
+        fraction of the halves' capacity, in halves."""
         if not self.is_elastic:
             return None
         for i, x in enumerate(loads):
-            if x.tp > 1 and x.num_long == 0 and x.load < self.config.scale_down_load and x.tp // 2 in self.degrees:
+            # The live blocks must fit the halves with room to spare: scale-down is KV first, so each worker holds
+            # its old head range and the new full-head copy until the commit point.
+            fits = x.num_used_blocks < self.config.scale_down_load * x.num_split_blocks
+            if x.tp > 1 and x.num_long == 0 and fits and x.tp // 2 in self.degrees:
                 half = x.tp // 2
                 return sizes[:i] + (half, half) + sizes[i + 1:]
         return None

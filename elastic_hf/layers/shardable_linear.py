@@ -66,6 +66,18 @@ class ShardableLinear(nn.Module):
             dst[c.num_rows:].zero_()  # fresh VMM pages are not zero; eq. 2 needs zero pad rows
             self.committed.add(i)
 
+    def chunk_buffer(self, i: int, commit: bool = False) -> torch.Tensor:
+        """[stored_rows, row_numel] view of one chunk, pads included (to send it, or to receive it after
+        commit=True; call mark_loaded once the bytes are in)."""
+        c = self.layout.chunks[i]
+        offset, nbytes = self._chunk_span(i)
+        if commit:
+            self.arena.commit(offset, nbytes)
+        return self.arena.view(offset, (c.stored_rows, self.layout.row_numel), self.dtype)
+
+    def mark_loaded(self, i: int) -> None:
+        self.committed.add(i)
+
     def release(self, chunk_ids: list[int]) -> int:
         """Decommit the pages of `chunk_ids`; returns the bytes given back."""
         active = {i for i in range(len(self.layout.chunks)) if self._owns(i)}
@@ -116,6 +128,11 @@ class ShardableLinear(nn.Module):
             bias_runs.append(torch.cat(parts))
         self.tp, self.rank, self.group = tp, rank, group
         self._runs, self._views, self._bias_runs = runs, views, bias_runs
+
+    def deactivate(self) -> None:
+        """No active shard (standby): every chunk may be released; forward() refuses until set_shard()."""
+        self.tp, self.rank, self.group = 1, 0, None
+        self._runs, self._views, self._bias_runs = [], [], []
 
     @property
     def shard_width(self) -> int:

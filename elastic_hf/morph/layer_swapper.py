@@ -169,6 +169,3 @@ class LayerSwapper:
         for job in list(self._jobs.values()):
             if job.copy is not None:
                 job.copy.wait()
-
-    def committed_weight_bytes(self) -> int:
-        return self.arena.committed_bytes

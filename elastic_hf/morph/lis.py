@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from elastic_hf.layers.awq import AwqConfig
 from elastic_hf.layers.quant_scheme import QuantScheme
-from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs
+from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs, reference_layer
 
 PROFILE_FORMAT = "elastic-hf-lis-profile/1"
 # Config fields that do not change the network's function (or are not stable across loads).
@@ -230,9 +230,11 @@ class _GreedyState:
 @torch.no_grad()
 def profile_lis(model: nn.Module, adapter, calib_ids: torch.Tensor, scheme: QuantScheme,
                 config: LisConfig | None = None, awq_config: AwqConfig | None = None, model_id: str = "",
-                calib_file: str = "", progress: bool = True) -> LisResult:
+                calib_file: str = "", progress: bool = True,
+                prebuilt: dict[int, nn.Module] | None = None) -> LisResult:
     """calib_ids [samples, seq_len] (see calibration_batch). Builds the quantized variant of every layer
-    (RTN or AWQ on the same calibration data), then runs the greedy LIS selection."""
+    (RTN or AWQ on the same calibration data), or takes `prebuilt` ones (layer index -> quantized layer, e.g.
+    loaded with load_layer_variant), then runs the greedy LIS selection."""
     config = config or LisConfig()
     awq_config = awq_config or AwqConfig(seed=config.seed)
     layers = adapter.decoder_layers(model)
@@ -249,10 +251,15 @@ def profile_lis(model: nn.Module, adapter, calib_ids: torch.Tensor, scheme: Quan
     lts, lrs = [], []
     hidden = model.get_submodule(adapter.embed_tokens)(calib_ids).float()  # [samples, seq, hidden]
     mds_inputs = [hidden[: config.mds_samples]]
+    if prebuilt is not None and sorted(prebuilt) != list(range(num_layers)):
+        raise ValueError(f"prebuilt variants cover layers {sorted(prebuilt)}; need all of 0..{num_layers - 1}")
     for i, layer in enumerate(layers):
-        calibrated = calibrate_and_quantize(layer, adapter, model.config, scheme, hidden, kwargs_all, awq_config,
-                                            with_reference=True)
-        variant, reference, output = calibrated.quantized, calibrated.reference, calibrated.fp_output
+        if prebuilt is not None:
+            variant, reference, output = prebuilt[i], reference_layer(prebuilt[i]), None
+        else:
+            calibrated = calibrate_and_quantize(layer, adapter, model.config, scheme, hidden, kwargs_all,
+                                                awq_config, with_reference=True)
+            variant, reference, output = calibrated.quantized, calibrated.reference, calibrated.fp_output
         if output is None:
             output = layer(hidden, **kwargs_all)
         quantized_output = reference(hidden, **kwargs_all)

@@ -87,6 +87,7 @@ class MorphManager:
             return self.state()
         with self._lock:
             self._forced.append((layers, precision))
+            self.boundary_error = None
         self._wake()
         if wait:
             deadline = time.monotonic() + timeout

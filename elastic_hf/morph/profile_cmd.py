@@ -14,7 +14,7 @@ import torch
 
 from elastic_hf.layers.awq import AwqConfig
 from elastic_hf.layers.quant_scheme import QuantScheme
-from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs
+from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs, reference_layer
 from elastic_hf.morph.lis import LisConfig, calibration_batch, fallback_order, load_profile, profile_lis
 from elastic_hf.morph.perplexity import (PerplexityEvaluator, eval_windows, held_out_split, order_sweep,
                                          tokenize_file)
@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--awq-grid", type=int, default=10, help="AWQ: number of alpha grid points in [0, 1)")
     parser.add_argument("--save-variants", default=None,
                         help="directory to also write each quantized layer as layer-<i>.safetensors")
+    parser.add_argument("--variants", default=None,
+                        help="directory of layer-<i>.safetensors written by --save-variants: use these quantized "
+                             "layers instead of quantizing again (their scheme overrides --quant/--method)")
     parser.add_argument("--evaluate", action="store_true",
                         help="print the Table 8 comparison (perplexity vs number of quantized layers per order)")
     parser.add_argument("--eval-text", default=None,
@@ -105,6 +108,21 @@ def _build_variants(model, adapter, scheme, calib_ids, awq_config):
         references[i] = calibrated.reference
         hidden = calibrated.fp_output if calibrated.fp_output is not None else layer(hidden, **kwargs)
     return references
+
+
+def load_variants(directory: Path, model, adapter) -> tuple[dict[int, torch.nn.Module], QuantScheme]:
+    from elastic_hf.layers.quantize_layer import load_layer_variant
+
+    layers = adapter.decoder_layers(model)
+    missing = [i for i in range(len(layers)) if not (directory / f"layer-{i}.safetensors").is_file()]
+    if missing:
+        raise FileNotFoundError(f"--variants {directory}: no layer-<i>.safetensors for layers {missing}")
+    variants = {i: load_layer_variant(directory / f"layer-{i}.safetensors", layer, adapter)
+                for i, layer in enumerate(layers)}
+    schemes = {v.quant_scheme for v in variants.values()}
+    if len(schemes) != 1:
+        raise ValueError(f"--variants {directory}: layers use different schemes {sorted(s.name for s in schemes)}")
+    return variants, schemes.pop()
 
 
 def format_table(results: dict[str, dict[int, float]], ks: list[int], num_layers: int) -> str:
@@ -165,15 +183,23 @@ def _run(args) -> int:
         scheme.check_in_features(layers[0].get_submodule(name).in_features, name)
     calib_tokens = tokenize_file(tokenizer, calib_path, "calib")
     eval_tokens = None
-    if args.evaluate:
+    # Held out: when evaluating (or when --eval-text names the calibration file) on the calibration file, the
+    # first half of its tokens calibrates and the second half evaluates, so a profile made for a later
+    # --evaluate --profile run never saw the evaluation text.
+    if args.evaluate or args.eval_text:
         if eval_path.resolve() == calib_path.resolve():
             calib_tokens, eval_tokens = held_out_split(calib_tokens)
-        else:
+        elif args.evaluate:
             eval_tokens = tokenize_file(tokenizer, eval_path, "eval_text")
     calib_ids = calibration_batch(calib_tokens, lis_config.samples, lis_config.seq_len, lis_config.seed)
     out_path = Path(args.out) if args.out else default_out_path(resolved.checkpoint_dir, resolved.model_id)
 
     references = None
+    prebuilt = None
+    if args.variants:
+        prebuilt, scheme = load_variants(Path(args.variants), model, adapter)
+        references = {i: reference_layer(v) for i, v in prebuilt.items()}
+        print(f"loaded {len(prebuilt)} {scheme.name} layer variants from {args.variants}")
     if args.profile:
         profile = load_profile(args.profile, model.config)
         scheme = profile.scheme
@@ -182,7 +208,7 @@ def _run(args) -> int:
         print(f"profiling {resolved.model_id}: {len(layers)} layers, {scheme.name}, calibration "
               f"{lis_config.samples} x {lis_config.seq_len} tokens from {calib_path}")
         result = profile_lis(model, adapter, calib_ids, scheme, lis_config, awq_config, resolved.model_id,
-                             str(calib_path), progress=not args.no_progress)
+                             str(calib_path), progress=not args.no_progress, prebuilt=prebuilt)
         profile = result.profile
         references = result.references
         profile.save(out_path)

@@ -28,12 +28,15 @@ from elastic_hf.kv.block_allocator import BlockAllocator
 from elastic_hf.model.runner import SeqStepInput
 from elastic_hf.parallel.groups import Topology, candidate_topologies, parse_topology
 from elastic_hf.parallel.kv_migration import BlockMove, build_migration_plan
+from elastic_hf.parallel.metrics import DeploymentMetrics
 from elastic_hf.parallel.reshape_plan import ReshapePlan
 from elastic_hf.parallel.sharding_plan import allowed_tp_degrees
 from elastic_hf.parallel.weight_store import SharedWeightStore
 from elastic_hf.parallel.worker import RESHAPE_PHASES, WorkerConfig, worker_main
 
 log = logging.getLogger(__name__)
+
+SCALE_DOWN_BACKOFF_STEPS = 16  # steps to wait after a scale-down that did not fit before trying again
 
 
 class WorkerError(RuntimeError):
@@ -72,9 +75,9 @@ class DeploymentOptions:
         if self.topology is None:
             self.topology = (1,) * self.num_workers
         self.topology = tuple(self.topology)
-        if sum(self.topology) != self.num_workers:
+        if not 1 <= sum(self.topology) <= self.num_workers:
             raise ValueError(f"topology {list(self.topology)} covers {sum(self.topology)} workers, "
-                             f"num_workers={self.num_workers}")
+                             f"num_workers={self.num_workers} (the rest wait in standby)")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -141,7 +144,7 @@ class Deployment:
         self.adapter = get_adapter(self.config)
         _, self.num_kv_heads, _ = self.adapter.head_counts(self.config)
         self.degrees = allowed_tp_degrees(opts.num_workers, self.num_kv_heads)
-        self.candidates = candidate_topologies(opts.num_workers, self.degrees)
+        self.candidates = candidate_topologies(opts.num_workers, self.degrees, with_standby=True)
         self.topology = Topology(opts.topology)
         if self.topology not in self.candidates:
             raise ValueError(f"topology {self.topology} is not a candidate for {opts.num_workers} workers and "
@@ -158,9 +161,16 @@ class Deployment:
         self.retired_prompt_tokens = 0
         self.reshapes: list[ReshapeReport] = []
         self.num_recoveries = 0
+        self._capacities: dict[tuple[int, ...], int] = {}
+        # One set of request metrics across every instance engine (engines come and go with reshapes); the
+        # deployment's own metrics live in the same registry, so one /metrics page shows both.
+        self.engine_metrics = EngineMetrics(self.model_id)
+        self.metrics = DeploymentMetrics(self.engine_metrics.registry)
+        self.metrics.set_topology(self.topology.sizes, self.degrees)
         self.policy = TPPolicy(TPPolicyConfig(opts.tp_policy, opts.router, opts.scale_down_load), self.degrees)
         self.long_request_ids: set[str] = set()
         self.num_rejected_reshapes = 0
+        self._scale_down_backoff = 0
         self._procs, self._conns = [], []
         self._pool: ThreadPoolExecutor | None = None
         self.instances: list[Instance] = []
@@ -229,6 +239,7 @@ class Deployment:
             for seq in reversed(list(scheduler.running)):  # youngest first, so the oldest ends up in front
                 scheduler._preempt(seq)
         self.num_recoveries += 1
+        self.metrics.recoveries.inc()
         log.warning("replaced dead workers %s; topology %s", dead, self.topology)
         return dead
 
@@ -271,9 +282,7 @@ class Deployment:
 
     # ------------------------------------------------------------------ instances
     def _instance_capacity(self, topology: Topology, idx: int) -> int:
-        workers = topology.instances()[idx]
-        caps = [self.call(w, "kv_capacity", len(workers), rank) for rank, w in enumerate(workers)]
-        return min(caps)
+        return self._capacity(topology.instances()[idx])
 
     def _new_engine(self, workers: tuple[int, ...], allocator: BlockAllocator) -> LLMEngine:
         opts = self.options
@@ -281,7 +290,7 @@ class Deployment:
                               allocator)
         engine = LLMEngine(InstanceRunner(self, workers), scheduler, self.tokenizer, model_id=self.model_id,
                            max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
-                           eos_token_ids=self.eos_token_ids, metrics=EngineMetrics(self.model_id))
+                           eos_token_ids=self.eos_token_ids, metrics=self.engine_metrics)
         engine._seq_counter = self._seq_counter  # sequence ids stay unique when sequences move between engines
         return engine
 
@@ -300,21 +309,36 @@ class Deployment:
     def _blocks_needed(self, prompt_ids: list[int], params: SamplingParams) -> int:
         return -(-(len(prompt_ids) + params.max_tokens) // self.options.block_size)
 
+    def _capacity(self, workers: tuple[int, ...]) -> int:
+        """KV blocks of an instance on `workers` (fixed per worker set: the budgets do not change)."""
+        if workers not in self._capacities:
+            self._capacities[workers] = min(self.call(w, "kv_capacity", len(workers), rank)
+                                            for rank, w in enumerate(workers))
+        return self._capacities[workers]
+
     def loads(self) -> list[InstanceLoad]:
         out = []
         for idx, inst in enumerate(self.instances):
             allocator = inst.engine.scheduler.allocator
             num_long = sum(1 for r in inst.engine.requests if r in self.long_request_ids)
+            half = inst.tp // 2
+            split = self._capacity(inst.workers[:half]) + self._capacity(inst.workers[half:]) if half else 0
             out.append(InstanceLoad(idx, inst.tp, allocator.num_total, allocator.num_used, len(inst.engine.requests),
-                                    num_long))
+                                    num_long, split))
         return out
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, instance: int | None = None) -> str:
+                    request_id: str | None = None, instance: int | None = None,
+                    arrival_time: float | None = None) -> str:
         """Route a request (Gyges Alg. 1). Under the elastic TP policy a request that no instance can hold first
         merges instances (x2, a reshape at this step boundary)."""
         params = params or SamplingParams(temperature=0.0)
         request_id = request_id or f"dep-{next(self._request_counter)}"
+        if any(request_id in inst.engine.requests for inst in self.instances):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if instance is not None and not 0 <= instance < len(self.instances):
+            raise ValueError(f"instance must be in [0, {len(self.instances)}) for topology {self.topology}, "
+                             f"got {instance}")
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) \
             else list(prompt)
         need = self._blocks_needed(prompt_ids, params) * params.n
@@ -330,15 +354,28 @@ class Deployment:
                     break
                 anchor = None if router == "elastic" else instance
                 target = self.policy.scale_up_target(self.topology.sizes, loads, anchor)
-                if target is None:
+                if target is None and anchor is not None:  # the baseline's pick has no equal neighbour
+                    target = self.policy.scale_up_target(self.topology.sizes, loads, None)
+                merged = False
+                if target is not None:
+                    try:
+                        self.reshape(target)
+                        merged = True
+                    except (ValueError, ReshapeAborted) as exc:  # the old topology serves on
+                        self.num_rejected_reshapes += 1
+                        log.info("scale-up to %s refused: %s", list(target), exc)
+                if not merged:
+                    if never_fits:  # queue it on an instance that can ever hold it, if any
+                        holders = [x for x in self.loads() if x.num_total_blocks >= need]
+                        if holders:
+                            instance = min(holders, key=lambda x: (x.load, x.index)).index
                     break
-                self.reshape(target)
         engine = self.instances[instance].engine
         if engine.scheduler.allocator.num_total < need:
             raise ValueError(f"request needs {need} KV blocks; instance {instance} of topology {self.topology} "
                              f"holds {engine.scheduler.allocator.num_total} and the TP policy "
                              f"{self.policy.config.tp_policy!r} cannot merge further")
-        engine.add_request(request_id, prompt_ids, params)
+        engine.add_request(request_id, prompt_ids, params, arrival_time=arrival_time)
         if is_long:
             self.long_request_ids.add(request_id)
         return request_id
@@ -350,6 +387,9 @@ class Deployment:
             return
         live = {r for inst in self.instances for r in inst.engine.requests}
         self.long_request_ids &= live
+        if self._scale_down_backoff > 0:
+            self._scale_down_backoff -= 1
+            return
         target = self.policy.scale_down_target(self.topology.sizes, self.loads())
         if target is None:
             return
@@ -359,7 +399,15 @@ class Deployment:
             # The running requests do not fit the split instances yet (the plan says so, or a worker's budget
             # refused the pages and the transaction rolled back): the old topology serves on, retry later.
             self.num_rejected_reshapes += 1
+            self._scale_down_backoff = SCALE_DOWN_BACKOFF_STEPS
             log.info("scale-down to %s postponed: %s", list(target), exc)
+
+    def abort_request(self, request_id: str) -> None:
+        """Idempotent: a no-op for unknown or finished requests."""
+        for inst in self.instances:
+            if request_id in inst.engine.requests:
+                inst.engine.abort_request(request_id)
+        self.long_request_ids.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return any(i.engine.has_unfinished_requests() for i in self.instances)
@@ -381,7 +429,15 @@ class Deployment:
                 raise errors[0]
             self.recover()
         self._maybe_scale_down()
+        self._update_gauges()
         return outputs
+
+    def _update_gauges(self) -> None:
+        """Deployment-wide totals (each engine sets the shared gauges to its own numbers after its step)."""
+        allocators = [i.engine.scheduler.allocator for i in self.instances]
+        schedulers = [i.engine.scheduler for i in self.instances]
+        self.engine_metrics.set_kv_blocks(sum(a.num_used for a in allocators), sum(a.num_total for a in allocators))
+        self.engine_metrics.set_queue(sum(len(s.waiting) for s in schedulers), sum(len(s.running) for s in schedulers))
 
     def generate(self, prompts: list[list[int]] | list[str], max_tokens: int = 16, **sampling) -> list[RequestOutput]:
         params = SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, **sampling})
@@ -406,7 +462,7 @@ class Deployment:
         return self.call_many(range(self.options.num_workers), "memory_report")
 
     # ------------------------------------------------------------------ reshape
-    def reshape(self, target) -> ReshapeReport:
+    def reshape(self, target, weights_source: str | None = None) -> ReshapeReport:
         """Change the topology in place, e.g. [1, 1] -> [2] -> [1, 1]. Call between steps (the deployment's own
         driver thread), which is the quiesce point. Raises ReshapeAborted when a worker fails before the commit
         point; the old topology is then still serving."""
@@ -417,16 +473,21 @@ class Deployment:
         start = time.perf_counter()
         if new == old:
             return ReshapeReport(str(old), str(new), 0.0, True)
-        plan, placement = self._plan(old, new)
+        # Scale-down refills shard chunks: over the GPU interconnect from peers is faster than host-to-device
+        # copies; on CPU the shared host store is a plain memcpy and beats a loopback transfer.
+        weights_source = weights_source or ("peers" if self.options.device == "cuda" else "host")
+        plan, placement = self._plan(old, new, weights_source)
         workers = list(range(self.options.num_workers))
         try:
             stats = self.call_many(workers, RESHAPE_PHASES[0], plan)
             for phase in RESHAPE_PHASES[1:]:
                 stats = self.call_many(workers, phase)
         except WorkerError as exc:
+            self._release_taken(placement[2])
             self._rollback([w for w in workers if w not in self.dead_workers()])
             report = ReshapeReport(str(old), str(new), time.perf_counter() - start, False)
             self.reshapes.append(report)
+            self.metrics.on_transform(False, report.seconds, [])
             self.recover()  # a worker that died before the commit point is replaced under the old topology
             raise ReshapeAborted(f"reshape {old} -> {new} rolled back: {exc}") from exc
         # ---- commit point: every worker holds the new shard, the migrated KV and the new groups ----
@@ -441,6 +502,8 @@ class Deployment:
             self._resume(new, plan, placement)
         report = ReshapeReport(str(old), str(new), time.perf_counter() - start, True, stats, len(plan.seq_moves))
         self.reshapes.append(report)
+        self.metrics.on_transform(True, report.seconds, stats)
+        self.metrics.set_topology(new.sizes, self.degrees)
         return report
 
     def _rollback(self, workers: list[int]) -> None:
@@ -450,52 +513,79 @@ class Deployment:
             except WorkerError as exc:  # a dead worker has nothing to roll back; it is reported by the caller
                 log.error("rollback on worker %d failed: %s", w, exc)
 
-    def _plan(self, old: Topology, new: Topology):
-        """Place every request of the old instances on a new instance that shares a worker with it (so local heads
-        stay local), least-loaded first; give its sequences fresh block ids there."""
+    def _plan(self, old: Topology, new: Topology, weights_source: str = "host"):
+        """Instances whose worker set does not change keep their engine, pool and block ids (and may receive
+        requests, e.g. from a worker going to standby). Every request of a changing instance goes to a new instance
+        that shares a worker with it (local heads stay local) or, failing that, to any; least-loaded first, with
+        fresh block ids there. Blocks taken on a kept instance's allocator are listed for rollback."""
         new_instances = new.instances()
-        capacity = {idx: self._instance_capacity(new, idx) for idx in range(len(new_instances))}
-        allocators = {idx: BlockAllocator(range(n)) for idx, n in capacity.items()}
-        placement: dict[int, list[Request]] = {idx: [] for idx in capacity}
+        old_instances = old.instances()
+        kept = {new_idx: old_instances.index(ws) for new_idx, ws in enumerate(new_instances) if ws in old_instances}
+        changing = [idx for idx in range(len(new_instances)) if idx not in kept]
+        capacity = {idx: (self.instances[kept[idx]].engine.scheduler.allocator.num_total if idx in kept
+                          else self._instance_capacity(new, idx)) for idx in range(len(new_instances))}
+        allocators = {idx: (self.instances[kept[idx]].engine.scheduler.allocator if idx in kept
+                            else BlockAllocator(range(capacity[idx]))) for idx in range(len(new_instances))}
+        placement: dict[int, list[Request]] = {idx: [] for idx in range(len(new_instances))}
         moves: list[BlockMove] = []
         seq_moves: dict[int, tuple[int, int]] = {}
         live_old: dict[int, list[int]] = {}
+        taken_on_kept: list[tuple[BlockAllocator, list[int]]] = []
         requests = []
         for old_idx, inst in enumerate(self.instances):
             live_old[old_idx] = [b for s in inst.engine.scheduler.running for b in s.block_ids]
-            requests.extend((old_idx, r) for r in inst.engine.requests.values())
+            if old_idx not in kept.values():
+                requests.extend((old_idx, r) for r in inst.engine.requests.values())
         requests.sort(key=lambda item: item[1].arrival_time)
-        for old_idx, request in requests:
-            old_workers = set(self.instances[old_idx].workers)
-            need = sum(len(s.block_ids) for s in request.seqs)
-            candidates = [idx for idx, ws in enumerate(new_instances) if old_workers & set(ws)]
-            candidates = [idx for idx in candidates if allocators[idx].num_free >= need]
-            if not candidates:
-                raise ValueError(f"reshape {old} -> {new}: request {request.request_id!r} holds {need} KV blocks "
-                                 f"and no new instance sharing its workers has that many free "
-                                 f"({ {i: a.num_free for i, a in allocators.items()} })")
-            dst = min(candidates, key=lambda idx: allocators[idx].num_used)
-            placement[dst].append(request)
-            for seq in request.seqs:
-                seq_moves[seq.seq_id] = (old_idx, dst)
-                if seq.block_ids:
-                    new_blocks = allocators[dst].allocate(len(seq.block_ids))
-                    moves.append(BlockMove(old_idx, dst, tuple(seq.block_ids), tuple(new_blocks)))
-        transfers = build_migration_plan(moves, old, new, self.num_kv_heads)
-        plan = ReshapePlan(old, new, moves, transfers, live_old,
-                           {idx: a.num_used for idx, a in allocators.items()}, capacity, seq_moves)
-        return plan, (placement, allocators)
+        try:
+            for old_idx, request in requests:
+                old_workers = set(self.instances[old_idx].workers)
+                need = sum(len(s.block_ids) for s in request.seqs)
+                free = [idx for idx in allocators if allocators[idx].num_free >= need]
+                local = [idx for idx in free if old_workers & set(new_instances[idx])]
+                candidates = local or free
+                if not candidates:
+                    raise ValueError(f"reshape {old} -> {new}: request {request.request_id!r} holds {need} KV "
+                                     f"blocks and no new instance has that many free "
+                                     f"({ {i: a.num_free for i, a in allocators.items()} })")
+                dst = min(candidates, key=lambda idx: (allocators[idx].num_used / max(capacity[idx], 1), idx))
+                placement[dst].append(request)
+                for seq in request.seqs:
+                    seq_moves[seq.seq_id] = (old_idx, dst)
+                    if seq.block_ids:
+                        new_blocks = allocators[dst].allocate(len(seq.block_ids))
+                        if dst in kept:
+                            taken_on_kept.append((allocators[dst], new_blocks))
+                        moves.append(BlockMove(old_idx, dst, tuple(seq.block_ids), tuple(new_blocks)))
+            transfers = build_migration_plan(moves, old, new, self.num_kv_heads)
+            plan = ReshapePlan(old, new, moves, transfers, live_old,
+                               {idx: allocators[idx].num_used for idx in changing}, capacity, seq_moves, kept,
+                               weights_source)
+        except BaseException:
+            self._release_taken(taken_on_kept)
+            raise
+        return plan, (placement, allocators, taken_on_kept)
+
+    @staticmethod
+    def _release_taken(taken: list[tuple[BlockAllocator, list[int]]]) -> None:
+        for allocator, block_ids in taken:
+            allocator.free(block_ids)
 
     def _resume(self, new: Topology, plan: ReshapePlan, placement) -> None:
-        requests_by_instance, allocators = placement
+        requests_by_instance, allocators, _ = placement
         new_block_ids = {}
         for move in plan.moves:
             new_block_ids[(move.src_instance, move.src_blocks)] = list(move.dst_blocks)
-        self.retired_prompt_tokens += sum(i.engine.num_computed_prompt_tokens for i in self.instances)
         old_instances = self.instances
+        self.retired_prompt_tokens += sum(inst.engine.num_computed_prompt_tokens
+                                          for idx, inst in enumerate(old_instances) if idx not in plan.kept.values())
         self.instances = []
         for idx, workers in enumerate(new.instances()):
-            engine = self._new_engine(workers, allocators[idx])
+            if idx in plan.kept:  # same engine, pool and blocks; moved requests join it
+                instance = old_instances[plan.kept[idx]]
+            else:
+                instance = Instance(workers, self._new_engine(workers, allocators[idx]))
+            engine = instance.engine
             running, waiting = [], []
             for request in requests_by_instance[idx]:
                 engine.requests[request.request_id] = request
@@ -507,13 +597,14 @@ class Deployment:
                         running.append(seq)
                     elif seq.status is SeqStatus.WAITING:
                         waiting.append(seq)
-            # Keep each old scheduler's admission order: older sequences first, preemption hits the youngest.
-            running.sort(key=lambda s: s.seq_id)
-            waiting.sort(key=lambda s: s.seq_id)
-            engine.scheduler.running.extend(running)
-            engine.scheduler.waiting.extend(waiting)
-            self.instances.append(Instance(workers, engine))
-        del old_instances
+            if running or waiting:
+                # Keep admission order: older sequences first, preemption hits the youngest.
+                scheduler = engine.scheduler
+                scheduler.running[:] = sorted(scheduler.running + running, key=lambda s: s.seq_id)
+                merged_waiting = sorted(list(scheduler.waiting) + waiting, key=lambda s: s.seq_id)
+                scheduler.waiting.clear()
+                scheduler.waiting.extend(merged_waiting)
+            self.instances.append(instance)
         self.topology = new
 
     # ------------------------------------------------------------------ lifecycle

@@ -49,10 +49,14 @@ def parse_topology(value) -> Topology:
     return Topology(tuple(int(v) for v in value))
 
 
-def candidate_topologies(num_workers: int, degrees: tuple[int, ...]) -> list[Topology]:
+def candidate_topologies(num_workers: int, degrees: tuple[int, ...], with_standby: bool = False) -> list[Topology]:
     """Every way to cover the workers with instances of allowed degrees (N=2: [1,1], [2]; N=4: [1,1,1,1],
-    [1,1,2], [1,2,1], [2,1,1], [2,2], [4])."""
+    [1,1,2], [1,2,1], [2,1,1], [2,2], [4]); with_standby adds layouts that leave the last workers in standby
+    (N=2: [1])."""
     out: list[Topology] = []
+    if with_standby:
+        for active in range(1, num_workers):
+            out.extend(candidate_topologies(active, degrees))
 
     def extend(prefix: tuple[int, ...], left: int) -> None:
         if left == 0:

@@ -66,9 +66,11 @@ def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: i
     import torch
     import torch.distributed as dist
 
-    old_lo, new_lo = old_pool.layout, new_pool.layout
+    # Either pool may be None: a worker waking from standby only receives, one going to standby only sends.
+    old_lo = old_pool.layout if old_pool is not None else new_pool.layout
+    new_lo = new_pool.layout if new_pool is not None else old_lo
     bs = old_lo.block_size
-    device = new_pool.rows.device
+    device = (new_pool if new_pool is not None else old_pool).rows.device
 
     def rows(block: int, heads_from: int, num_heads: int, lo, head_start: int) -> torch.Tensor:
         start = block * lo.rows_per_block + (heads_from - head_start) * 2 * bs
@@ -95,7 +97,8 @@ def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: i
 
     row_bytes = old_lo.head_dim * old_lo.itemsize
     stats = {"local_bytes": 0, "sent_bytes": 0, "received_bytes": 0, "peak_staging_bytes": 0}
-    old_rows, new_rows = old_pool.rows, new_pool.rows   # [arena rows, head_dim]
+    old_rows = old_pool.rows if old_pool is not None else None   # [arena rows, head_dim]
+    new_rows = new_pool.rows if new_pool is not None else None
     for layer in reversed(range(old_lo.num_layers)):
         o_off, n_off = layer * old_lo.rows_per_layer, layer * new_lo.rows_per_layer
         ops, inbox, staging = [], [], 0
@@ -104,7 +107,7 @@ def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: i
             ops.append(dist.P2POp(dist.isend, buf, peer))
             staging += buf.numel() * buf.element_size()
         for peer, idx in recv_rows.items():
-            buf = new_rows.new_empty(idx.numel(), new_lo.head_dim)      # [rows, head_dim]
+            buf = torch.empty(idx.numel(), new_lo.head_dim, dtype=new_lo.dtype, device=device)  # [rows, head_dim]
             ops.append(dist.P2POp(dist.irecv, buf, peer))
             inbox.append((idx, buf))
             staging += buf.numel() * buf.element_size()

@@ -8,6 +8,9 @@ from elastic_hf.parallel.groups import Topology
 from elastic_hf.parallel.kv_migration import BlockMove, KVTransfer
 
 
+WEIGHT_SOURCES = ("host", "peers")
+
+
 @dataclass(slots=True)
 class ReshapePlan:
     old: Topology
@@ -18,11 +21,20 @@ class ReshapePlan:
     num_live_new_blocks: dict[int, int]        # new instance -> live blocks after migration (ids 0..n-1)
     new_num_blocks: dict[int, int]             # new instance -> KV capacity in blocks after commit
     seq_moves: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (old instance, new instance)
+    kept: dict[int, int] = field(default_factory=dict)  # new instance -> old instance with the same workers
+    weights_source: str = "host"               # where missing shard chunks come from: "host" store or "peers"
+
+    def is_kept(self, worker: int) -> bool:
+        """True when the worker's instance has the same workers before and after: nothing to do there."""
+        role = self.new.role(worker)
+        return role is not None and role[0] in self.kept
+
+    def kept_workers(self) -> set[int]:
+        return {w for w in range(self.new.num_workers) if self.is_kept(w)}
 
     def __post_init__(self):
-        if self.old.num_workers != self.new.num_workers:
-            raise ValueError(f"reshape {self.old} -> {self.new} changes the number of active workers "
-                             f"({self.old.num_workers} -> {self.new.num_workers}); standby moves are not planned")
+        if self.weights_source not in WEIGHT_SOURCES:
+            raise ValueError(f"weights_source must be one of {WEIGHT_SOURCES}, got {self.weights_source!r}")
         for idx, n in self.num_live_new_blocks.items():
             if n > self.new_num_blocks.get(idx, 0):
                 raise ValueError(f"new instance {idx} needs {n} live KV blocks but holds "

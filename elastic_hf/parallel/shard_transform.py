@@ -13,7 +13,8 @@ from torch import nn
 
 from elastic_hf.layers.shardable_linear import ShardableLinear
 from elastic_hf.memory import MemoryBudget, create_arena
-from elastic_hf.parallel.sharding_plan import COLUMN_KINDS, SHARDED_KINDS, ModelShardSpec
+from elastic_hf.parallel.groups import Topology
+from elastic_hf.parallel.sharding_plan import COLUMN_KINDS, SHARDED_KINDS, ModelShardSpec, PaddedLayout
 from elastic_hf.parallel.weight_store import SharedWeightStore, linear_module_names
 
 ATTENTION_KINDS = ("q", "k", "v", "o")
@@ -26,7 +27,7 @@ def _aligned(nbytes: int, alignment: int = 64) -> int:
 
 class ShardedWeights:
     def __init__(self, hf_model: nn.Module, adapter, spec: ModelShardSpec, budget: MemoryBudget,
-                 device: torch.device, store: SharedWeightStore, tp: int, rank: int, group=None):
+                 device: torch.device, store: SharedWeightStore, tp: int | None, rank: int | None, group=None):
         self.adapter = adapter
         self.spec = spec
         self.store = store
@@ -61,8 +62,9 @@ class ShardedWeights:
                     bias = old.bias.data if old.bias is not None else None
                     new = ShardableLinear(lay, mode, self.arena, offset, old.in_features, old.out_features,
                                           old.weight.dtype, bias)
-                    new.load(store.get(layer_idx, kind), lay.shard_chunks(tp, rank))  # host store: one source
-                    new.set_shard(tp, rank, group)
+                    if tp is not None:  # None: a worker starting in standby holds no shard
+                        new.load(store.get(layer_idx, kind), lay.shard_chunks(tp, rank))  # the host store
+                        new.set_shard(tp, rank, group)
                     parent_name, _, attr = names[kind].rpartition(".")
                     setattr(layer.get_submodule(parent_name), attr, new)
                     built[kind] = new
@@ -111,9 +113,73 @@ class ShardedWeights:
                 released += lin.release(sorted(lin.committed - set(own)))
         return loaded, released
 
+    def release_all(self) -> int:
+        """Standby: no active shard and every shard chunk given back (embeddings, norms and LM head stay)."""
+        freed = 0
+        for per_layer in self.linears:
+            for lin in per_layer.values():
+                lin.deactivate()
+                freed += lin.release(sorted(lin.committed))
+        return freed
+
     def set_group(self, group) -> None:
         """Point every row-parallel layer at a new process group object (same ranks, e.g. after a snapshot
         switch)."""
         for per_layer in self.linears:
             for lin in per_layer.values():
                 lin.group = group
+
+
+def weight_gather_plan(old: Topology, new: Topology, layouts: dict[str, PaddedLayout],
+                       kept: set[int] = frozenset()) -> list[tuple[int, str, int, int]]:
+    """(receiver, kind, chunk, sender) for every chunk a worker's new shard needs and it does not hold when the
+    weights phase starts, from a worker that holds it then (a peer of its old instance first). Every worker
+    computes the same list. Chunks without a holder are not listed: they come from the host store."""
+    def held(worker: int, kind: str) -> set[int]:
+        o, n = old.role(worker), new.role(worker)
+        if o is None:  # in standby: nothing
+            return set()
+        scaled_up = n is not None and worker not in kept and n[1] > o[1]
+        tp, rank = (n[1], n[2]) if kind in MLP_KINDS and scaled_up else (o[1], o[2])
+        return set(layouts[kind].shard_chunks(tp, rank))
+
+    workers = range(max(old.num_workers, new.num_workers))
+    plan = []
+    for w in workers:
+        if w in kept or new.role(w) is None:
+            continue
+        _, tp, rank = new.role(w)
+        old_peers = set(old.instances()[old.role(w)[0]]) if old.role(w) is not None else set()
+        for kind in SHARDED_KINDS:
+            for chunk in layouts[kind].shard_chunks(tp, rank):
+                if chunk in held(w, kind):
+                    continue
+                sources = [p for p in workers if p != w and chunk in held(p, kind)]
+                if sources:
+                    plan.append((w, kind, chunk, min(sources, key=lambda p: (p not in old_peers, p))))
+    return plan
+
+
+def gather_weights(weights: ShardedWeights, plan: list[tuple[int, str, int, int]], me: int) -> dict:
+    """Execute this worker's part of a gather plan, layer by layer from the last; point-to-point only."""
+    import torch.distributed as dist
+
+    sent = received = 0
+    for layer_idx in reversed(range(weights.num_layers)):
+        ops, landed = [], []
+        for receiver, kind, chunk, sender in plan:
+            lin = weights.linears[layer_idx][kind]
+            if receiver == me:
+                buf = lin.chunk_buffer(chunk, commit=True)
+                ops.append(dist.P2POp(dist.irecv, buf, sender))
+                landed.append((lin, chunk))
+                received += buf.numel() * buf.element_size()
+            elif sender == me:
+                buf = lin.chunk_buffer(chunk)
+                ops.append(dist.P2POp(dist.isend, buf, receiver))
+                sent += buf.numel() * buf.element_size()
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        for lin, chunk in landed:
+            lin.mark_loaded(chunk)
+    return {"gathered_bytes": received, "sent_bytes": sent}

@@ -18,7 +18,8 @@ from elastic_hf.memory import MemoryBudget, create_arena
 from elastic_hf.parallel.groups import ProcessGroups, Topology, candidate_topologies
 from elastic_hf.parallel.kv_migration import head_range, migrate_kv
 from elastic_hf.parallel.reshape_plan import ReshapePlan
-from elastic_hf.parallel.shard_transform import ATTENTION_KINDS, MLP_KINDS, ShardedWeights
+from elastic_hf.parallel.shard_transform import (ATTENTION_KINDS, MLP_KINDS, ShardedWeights, gather_weights,
+                                                 weight_gather_plan)
 from elastic_hf.parallel.sharding_plan import ModelShardSpec, allowed_tp_degrees
 from elastic_hf.parallel.weight_store import SharedWeightStore
 
@@ -70,9 +71,9 @@ class Worker:
     def __init__(self, config: WorkerConfig, store: SharedWeightStore):
         import torch.distributed as dist
 
-        from elastic_hf.kv.paged_attention import register_paged_attention
         from transformers import AutoModelForCausalLM
 
+        from elastic_hf.kv.paged_attention import register_paged_attention
         from elastic_hf.model.loader import parse_dtype
         from elastic_hf.model.runner import ModelRunner
         from elastic_hf.patches import get_adapter
@@ -97,15 +98,14 @@ class Worker:
         # The model only: the tokenizer lives in the control plane.
         self.hf_model = AutoModelForCausalLM.from_pretrained(config.checkpoint_dir, dtype=self.dtype,
                                                              attn_implementation=attn).eval().requires_grad_(False)
-        self.hf_model.to(self.device)
         hf_config = self.hf_model.config
         self.adapter = get_adapter(hf_config)
         num_heads, self.num_kv_heads, head_dim = self.adapter.head_counts(hf_config)
         degrees = allowed_tp_degrees(config.num_workers, self.num_kv_heads)
-        self.groups = ProcessGroups(candidate_topologies(config.num_workers, degrees), backend)
+        self.groups = ProcessGroups(candidate_topologies(config.num_workers, degrees, with_standby=True), backend)
         self.topology = Topology(config.topology)
         role = self.groups.for_topology(self.topology, self.me)
-        group, tp, rank = role if role is not None else (None, 1, 0)
+        group, tp, rank = role if role is not None else (None, None, None)  # standby: no shard loaded
         probe = create_arena(self.device, 1 << 21, MemoryBudget(1 << 62), "probe", config.page_size)
         page_size = probe.page_size
         probe.close()
@@ -115,6 +115,8 @@ class Worker:
         self.budget = MemoryBudget(1 << 62)  # resized below, once the TP1 weight bytes are known
         self.weights = ShardedWeights(self.hf_model, self.adapter, self.spec, self.budget, self.device, store,
                                       tp, rank, group)
+        # Parameters are arena views on the device already; this moves the buffers (rotary tables) after them.
+        self.hf_model.to(self.device)
         # The budget: this worker's memory as a TP1 instance, whatever shard it starts with.
         self.budget.total_bytes = self.weights.shard_bytes(1, 0) + config.kv_cache_memory
         self.head_dim = head_dim
@@ -122,7 +124,7 @@ class Worker:
         self.pool: KVPagePool | None = None
         self.runner = ModelRunner(self.hf_model, None, getattr(hf_config, "sliding_window", None))
         self._txn: dict | None = None
-        self._fault: str | None = None
+        self._fault: tuple[str, bool] | None = None
 
     # ------------------------------------------------------------------ helpers
     def _role(self, topology: Topology) -> tuple[int, int, int] | None:
@@ -161,7 +163,8 @@ class Worker:
     def info(self) -> dict:
         return {"worker": self.me, "num_kv_heads": self.num_kv_heads, "num_layers": self.num_layers,
                 "degrees": list(self.spec.degrees), "page_size": self.spec.page_size,
-                "budget_bytes": self.budget.total_bytes, "weights_tp1_bytes": self.weights.shard_bytes(1, 0)}
+                "budget_bytes": self.budget.total_bytes, "weights_tp1_bytes": self.weights.shard_bytes(1, 0),
+                "replicated_weights_bytes": self.weights.shared_bytes}
 
     def shard_bytes(self, tp: int, rank: int) -> int:
         """Committed weight bytes of this worker as shard (tp, rank)."""
@@ -224,41 +227,55 @@ class Worker:
         """Phase 1 of 3 before the commit point: scale-up releases the MLP shards it no longer owns (MLP first, so
         the freed pages can take the migrated KV, Gyges §4.3); the old pool decommits its unused blocks. The
         control plane runs each phase on every worker and starts the next only when all succeeded, so no worker
-        waits in a transfer on a peer that already failed."""
+        waits in a transfer on a peer that already failed. A worker may be in standby before (wake-up) or after
+        (it hands its KV over and gives its shard back at the commit point)."""
         if self._txn is not None:
             raise RuntimeError(f"worker {self.me} already has a reshape in flight")
         old_role, new_role = self._role(plan.old), self._role(plan.new)
-        if old_role is None or new_role is None:
-            raise NotImplementedError("reshapes that move workers into or out of standby are not supported yet")
         old = self.groups.for_topology(plan.old, self.me)
         new = self.groups.for_topology(plan.new, self.me)
-        txn = {"plan": plan, "old": old, "new": new, "trimmed": [], "new_pool": None,
+        kept = plan.is_kept(self.me) or (old_role is None and new_role is None)
+        txn = {"plan": plan, "old": old, "new": new, "trimmed": [], "new_pool": None, "kept": kept,
                "stats": {"weights_bytes_before": self.budget.used_bytes("weights"),
-                         "kv_bytes_before": self.budget.used_bytes("kv")}}
+                         "kv_bytes_before": self.budget.used_bytes("kv"), "kept": kept}}
         self._txn = txn
-        new_group, new_tp, new_rank = new
-        if new_tp > old[1]:
-            txn["stats"]["weights_first"] = self.weights.switch(MLP_KINDS, new_tp, new_rank, new_group)
+        if kept:  # same instance before and after: shard, pool and groups stay; it may receive moved KV
+            return txn["stats"]
+        if old is not None and new is not None and new[1] > old[1]:
+            txn["stats"]["weights_first"] = self.weights.switch(MLP_KINDS, new[1], new[2], new[0])
         self._check_fault("weights_first")
-        # The old pool keeps its live blocks until the commit point (rollback needs them); the rest go back now.
-        live = set(plan.live_old_blocks[old_role[0]])
-        block_bytes = self.pool.layout.block_bytes
-        for block_id in sorted(self.pool.allocator._attached - live):
-            self.pool.arena.decommit(block_id * block_bytes, block_bytes)
-            txn["trimmed"].append(block_id)
+        if self.pool is not None:
+            # The old pool keeps its live blocks until the commit point (rollback needs them); the rest go back.
+            live = set(plan.live_old_blocks[old_role[0]])
+            block_bytes = self.pool.layout.block_bytes
+            for block_id in range(self.pool.max_blocks):
+                offset = block_id * block_bytes
+                if block_id not in live and self.pool.arena.is_committed(offset, block_bytes):
+                    self.pool.arena.decommit(offset, block_bytes)
+                    txn["trimmed"].append(block_id)
         self._check_fault("kv_trim")
         return txn["stats"]
 
     def migrate_reshape_kv(self) -> dict:
-        """Phase 2: a new pool for the new head range holds the live blocks; KV moves by (block, head range)."""
+        """Phase 2: a new pool for the new head range holds the live blocks (a kept instance receives into its own
+        pool); KV moves by (block, head range), layer by layer."""
         txn = self._require_txn()
         plan: ReshapePlan = txn["plan"]
-        (_, old_tp, old_rank), (_, new_tp, new_rank) = txn["old"], txn["new"]
+        old, new = txn["old"], txn["new"]
+        if txn["kept"]:
+            if new is None:
+                return {}
+            h0 = head_range(self.num_kv_heads, new[1], new[2])[0]
+            kv = migrate_kv(plan.transfers, self.me, self.pool, h0, self.pool, h0)
+            txn["stats"]["kv"] = {**kv, "new_pool_live_bytes": 0, "peak_extra_bytes": kv["peak_staging_bytes"]}
+            return kv
         kv_before = self.budget.used_bytes("kv")
-        new_pool = self._new_pool(new_tp, new_rank, plan.num_live_new_blocks[self._role(plan.new)[0]])
-        txn["new_pool"] = new_pool
-        old_h0 = head_range(self.num_kv_heads, old_tp, old_rank)[0]
-        new_h0 = head_range(self.num_kv_heads, new_tp, new_rank)[0]
+        new_pool = None
+        if new is not None:
+            new_pool = self._new_pool(new[1], new[2], plan.num_live_new_blocks[self._role(plan.new)[0]])
+            txn["new_pool"] = new_pool
+        old_h0 = head_range(self.num_kv_heads, old[1], old[2])[0] if old is not None else 0
+        new_h0 = head_range(self.num_kv_heads, new[1], new[2])[0] if new is not None else 0
         kv = migrate_kv(plan.transfers, self.me, self.pool, old_h0, new_pool, new_h0)
         kv["new_pool_live_bytes"] = self.budget.used_bytes("kv") - kv_before
         kv["peak_extra_bytes"] = kv["new_pool_live_bytes"] + kv["peak_staging_bytes"]
@@ -267,30 +284,43 @@ class Worker:
         return kv
 
     def finish_reshape_weights(self) -> dict:
-        """Phase 3: attention (and, scaling down, the MLP after the KV) switch to the new shard; scale-down loads
-        the chunks it now needs from the shared host store."""
+        """Phase 3: attention (and, scaling down, the MLP after the KV) switch to the new shard; scale-down and
+        wake-up load the chunks they now need from the shared host store or from peers. A worker going to
+        standby keeps its shard until the commit point (rollback is then free)."""
         txn = self._require_txn()
-        new_group, new_tp, new_rank = txn["new"]
+        new = txn["new"]
         stats = txn["stats"]
-        stats["weights_last"] = self.weights.switch(ATTENTION_KINDS + MLP_KINDS, new_tp, new_rank, new_group)
+        plan: ReshapePlan = txn["plan"]
+        if plan.weights_source == "peers":
+            layouts = {kind: lin.layout for kind, lin in self.weights.linears[0].items()}
+            gather = weight_gather_plan(plan.old, plan.new, layouts, plan.kept_workers())
+            stats["gather"] = gather_weights(self.weights, gather, self.me)
+        if txn["kept"]:
+            return stats
+        if new is not None:
+            stats["weights_last"] = self.weights.switch(ATTENTION_KINDS + MLP_KINDS, new[1], new[2], new[0])
         self._check_fault("weights_last")
         stats["weights_bytes_after"] = self.budget.used_bytes("weights")
         self._check_fault("prepared")
         return stats
 
     def commit_reshape(self) -> dict:
-        """The commit point: drop the old KV pool, grow the new one to its capacity, serve the new topology."""
+        """The commit point: drop the old KV pool, grow the new one to its capacity, serve the new topology (or
+        go to standby: no pool, no shard, the process and its groups stay for a fast wake-up)."""
         txn = self._require_txn()
         plan: ReshapePlan = txn["plan"]
-        new_pool: KVPagePool = txn["new_pool"]
-        self.pool.arena.close()
-        self.pool = new_pool
-        self.runner.pool = new_pool
+        if not txn["kept"]:
+            if self.pool is not None:
+                self.pool.arena.close()
+            new_pool: KVPagePool | None = txn["new_pool"]
+            self.pool = new_pool
+            self.runner.pool = new_pool
+            new_role = self._role(plan.new)
+            if new_role is None:
+                self.weights.release_all()
+            elif plan.new_num_blocks[new_role[0]] > new_pool.num_blocks:
+                new_pool.attach_blocks(plan.new_num_blocks[new_role[0]] - new_pool.num_blocks)
         self.topology = plan.new
-        new_role = self._role(plan.new)
-        extra = plan.new_num_blocks[new_role[0]] - new_pool.num_blocks
-        if extra > 0:
-            new_pool.attach_blocks(extra)
         self._txn = None
         self._check_fault("committed")
         return self.memory_report()
@@ -301,13 +331,20 @@ class Worker:
         if txn is None:
             return self.memory_report()
         self._txn = None
+        if txn["kept"]:  # moved KV landed in blocks that stay free in the old plan
+            return self.memory_report()
+        # Order matters for the budget: every step moves toward the old state, which fitted.
         if txn["new_pool"] is not None:
             txn["new_pool"].arena.close()
-        block_bytes = self.pool.layout.block_bytes
-        for block_id in txn["trimmed"]:  # they were free: zero pages are fine
-            self.pool.arena.commit(block_id * block_bytes, block_bytes)
-        old_group, old_tp, old_rank = txn["old"]
-        self.weights.switch(ATTENTION_KINDS + MLP_KINDS, old_tp, old_rank, old_group)
+        if txn["old"] is None:
+            self.weights.release_all()  # back to standby
+        else:
+            old_group, old_tp, old_rank = txn["old"]
+            self.weights.switch(ATTENTION_KINDS + MLP_KINDS, old_tp, old_rank, old_group)
+        if self.pool is not None:
+            block_bytes = self.pool.layout.block_bytes
+            for block_id in txn["trimmed"]:  # they were free: zero pages are fine
+                self.pool.arena.commit(block_id * block_bytes, block_bytes)
         return self.memory_report()
 
     def _require_txn(self) -> dict:

@@ -42,9 +42,9 @@ def admin_morph_router(model, async_engine, admin_key: str | None) -> APIRouter:
     router = APIRouter()
     manager = getattr(model, "morph", None)
     if manager is not None:
-        # AsyncEngine.abort of an unknown id is a documented no-op that wakes its thread: the thread then sees
-        # the manager's pending work through LLMEngine.has_unfinished_requests and runs a step boundary.
-        manager.attach_driver(lambda: async_engine.abort("__morph_wake__"))
+        # wake() makes an idle engine thread re-check has_unfinished_requests(), which reports the manager's
+        # pending work (LLMEngine.idle_work_checks), so it runs a step boundary for it.
+        manager.attach_driver(async_engine.wake)
 
     def guard(request: Request) -> JSONResponse | None:
         if not admin_key:

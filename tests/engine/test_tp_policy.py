@@ -6,13 +6,16 @@ from elastic_hf.engine.tp_policy import InstanceLoad, TPPolicy, TPPolicyConfig
 
 
 def _loads(*specs):
-    return [InstanceLoad(i, tp, total, used, 0, num_long) for i, (tp, total, used, num_long) in enumerate(specs)]
+    # requests: one per 10 used blocks; split capacity: as if the halves held 40 % of the merged instance
+    return [InstanceLoad(i, tp, total, used, used // 10, num_long, int(0.4 * total) if tp > 1 else 0)
+            for i, (tp, total, used, num_long) in enumerate(specs)]
 
 
 def test_elastic_router_prefers_tp1_for_short_and_merged_for_long():
     policy = TPPolicy(TPPolicyConfig("elastic", "elastic"), (1, 2, 4))
     loads = _loads((2, 300, 100, 1), (1, 50, 10, 0), (1, 50, 40, 0))
-    assert policy.route(loads, 5, is_long=False) == (1, True)
+    assert policy.route(loads, 5, is_long=False) == (1, True)      # 1 request vs (10 + 1) / 2 and 4
+    assert policy.route(_loads((2, 300, 20, 0), (1, 50, 40, 0)), 5, is_long=False) == (0, True)  # 1.5 < 4
     assert policy.route(loads, 80, is_long=True) == (0, True)
     assert policy.route(loads, 250, is_long=True) == (0, False)  # nothing holds it now
 
@@ -38,7 +41,7 @@ def test_scale_up_merges_least_loaded_equal_pair():
 def test_scale_down_waits_for_long_requests_and_low_load():
     policy = TPPolicy(TPPolicyConfig("elastic", "elastic"), (1, 2))
     assert policy.scale_down_target((2,), _loads((2, 100, 10, 1))) is None   # a long request is still there
-    assert policy.scale_down_target((2,), _loads((2, 100, 60, 0))) is None   # load above 50 %
+    assert policy.scale_down_target((2,), _loads((2, 100, 25, 0))) is None   # above 50 % of the halves' 40
     assert policy.scale_down_target((2,), _loads((2, 100, 10, 0))) == (1, 1)
 
 

@@ -183,3 +183,18 @@ def test_awq_variants_are_cached_and_reload_identically(tiny_checkpoint, tmp_pat
     second.morph.to_precision("all", "w4")
     second.morph.to_precision("all", "fp")
     assert_bit_identical(second, original)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_architectures_round_trip(tiny_checkpoint, arch):
+    """Qwen2 carries q/k/v biases (buffers of the quantized linears), Mistral a sliding window."""
+    model = tiny_morph_model(tiny_checkpoint(arch))
+    original = snapshot(model)
+    prompt = list(range(3, 40))
+    reference = model.generate(prompt, max_tokens=8, ignore_eos=True).outputs[0].token_ids
+    for precision in ("w8", "w4"):
+        model.morph.to_precision("all", precision)
+        assert len(model.generate(prompt, max_tokens=8, ignore_eos=True).outputs[0].token_ids) == 8
+    model.morph.to_precision("all", "fp")
+    assert_bit_identical(model, original)
+    assert model.generate(prompt, max_tokens=8, ignore_eos=True).outputs[0].token_ids == reference

@@ -33,7 +33,8 @@ def calib_file(tmp_path_factory):
 def profiled_checkpoint(tiny_checkpoint, calib_file, tmp_path_factory):
     checkpoint = tiny_checkpoint("llama")
     out = tmp_path_factory.mktemp("profile") / "profile.json"
-    rc = main(["profile", str(checkpoint), "--calib", str(calib_file), "--out", str(out), *FAST])
+    rc = main(["profile", str(checkpoint), "--calib", str(calib_file), "--out", str(out),
+               "--save-variants", str(out.parent / "variants"), *FAST])
     assert rc == 0
     return checkpoint, out
 
@@ -52,9 +53,11 @@ def test_evaluate_with_existing_profile_prints_table_and_plot(profiled_checkpoin
     checkpoint, out = profiled_checkpoint
     plot = tmp_path / "table8.png"
     rc = main(["profile", str(checkpoint), "--calib", str(calib_file), "--evaluate", "--profile", str(out),
-               "--eval-windows", "2", "--eval-seq-len", "48", "--plot", str(plot), *FAST])
+               "--variants", str(out.parent / "variants"), "--eval-windows", "2", "--eval-seq-len", "48",
+               "--plot", str(plot), *FAST])
     assert rc == 0
     printed = capsys.readouterr().out
+    assert "loaded 3 w4-g32-awq layer variants" in printed
     for row in ("front-to-back", "back-to-front", "random (mean 3)", "LIS"):
         assert row in printed
     assert "0 (fp32)" in printed and "(all)" in printed and "second half" in printed

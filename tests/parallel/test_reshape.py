@@ -90,6 +90,8 @@ def test_decoding_across_scale_up_and_down_is_exact_without_recompute(setup):
     assert stats["num_preemptions"] == 0
     # Exactly one prefill per prompt token: no request was recomputed across the two transforms.
     assert stats["num_computed_prompt_tokens"] - prompt_tokens_before == sum(len(p) for p in prompts)
+    text = dep.metrics.render().decode()
+    assert 'elastic_hf_instances{tp="1"} 2.0' in text and "elastic_hf_tp_transform_seconds_count" in text
 
 
 @pytest.mark.parametrize("stage", RESHAPE_STAGES)
@@ -171,3 +173,78 @@ def test_elastic_policy_merges_for_a_long_request_and_splits_back(setup):
         dep.policy = static_policy
         if str(dep.topology) != "[1,1]":
             dep.reshape([1, 1])
+
+
+def test_scale_down_gathers_weight_chunks_from_peers(setup):
+    dep, prompts, expected, _ = setup
+    dep.reshape([2])
+    ids = _submit(dep, prompts[:4])
+    done = _run(dep, ids, {}, num_steps=6)
+    down = dep.reshape([1, 1], weights_source="peers")
+    for w, stats in enumerate(down.worker_stats):
+        assert stats["gather"]["gathered_bytes"] > 0 and stats["gather"]["sent_bytes"] > 0
+        assert stats["weights_last"][0] == 0  # nothing read from the host store
+    assert [r["weights_bytes"] for r in dep.memory_report()] == [dep.call(w, "shard_bytes", 1, 0) for w in (0, 1)]
+    _run(dep, ids, done)
+    assert [done[r] for r in ids] == expected[:4]
+    with pytest.raises(ValueError, match="weights_source"):
+        dep.reshape([2], weights_source="disk")
+    assert str(dep.topology) == "[1,1]"
+
+
+def test_standby_and_wake_up_keep_requests_exact(setup):
+    dep, prompts, expected, _ = setup
+    assert str(dep.topology) == "[1,1]"
+    prompt_tokens_before = dep.stats()["num_computed_prompt_tokens"]
+    ids = _submit(dep, prompts[:3])
+    done = _run(dep, ids, {}, num_steps=4)
+    pid = dep.call(1, "ping")
+    down = dep.reshape([1])  # worker 1 hands its requests' KV to worker 0's pool and goes to standby
+    assert down.committed and [i.workers for i in dep.instances] == [(0,)]
+    standby = dep.memory_report()[1]
+    assert standby["kv_blocks"] == 0 and standby["kv_bytes"] == 0
+    assert standby["weights_bytes"] == dep.call(1, "info")["replicated_weights_bytes"]  # its shard went back
+    _run(dep, ids, done, num_steps=3)
+    up = dep.reshape([2])    # wake-up in the same process: shard from the host store, KV by head range
+    assert up.committed and dep.call(1, "ping") == pid
+    _run(dep, ids, done, num_steps=3)
+    dep.reshape([1, 1])
+    _run(dep, ids, done)
+    assert [done[r] for r in ids] == expected[:3]
+    assert dep.stats()["num_computed_prompt_tokens"] - prompt_tokens_before == sum(len(p) for p in prompts[:3])
+
+
+def test_async_engine_serves_a_deployment_across_a_reshape(setup):
+    """The server's AsyncEngine drives the deployment through DeploymentEngine; an admin-style reshape runs on
+    the engine thread between steps while streams are open."""
+    import asyncio
+
+    from elastic_hf.engine.async_engine import AsyncEngine
+    from elastic_hf.parallel.deployment_engine import DeploymentEngine
+
+    dep, prompts, expected, _ = setup
+    engine = DeploymentEngine(dep)
+    async_engine = AsyncEngine(engine).start()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+
+    async def collect(stream):
+        tokens = []
+        async for out in stream:
+            tokens = out.outputs[0].token_ids
+        return tokens
+
+    async def main():
+        streams = await async_engine.add_requests(prompts[:4], params)
+        tasks = [asyncio.create_task(collect(s)) for s in streams]
+        await asyncio.sleep(0.05)
+        up = await async_engine.call(engine.reshape, [2])
+        down = await async_engine.call(engine.reshape, [1, 1])
+        return await asyncio.gather(*tasks), up, down
+
+    try:
+        outputs, up, down = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert outputs == expected[:4] and up.committed and down.committed
+    assert engine.stats()["kv_blocks_used"] == 0
+    assert b"elastic_hf_tp_transforms_total" in async_engine.metrics.render()

@@ -28,15 +28,33 @@ def test_tp2_started_directly_with_uneven_kv_heads_and_biases_matches_hf(tp_chec
         assert [r["kv_blocks"] for r in dep.memory_report()] == [num_blocks, num_blocks]
 
 
-def test_tp4_and_tp2_plus_two_tp1_match_hf(tp_checkpoint):
+def test_tp4_and_tp2_plus_two_tp1_match_hf_across_reshapes(tp_checkpoint):
+    """4 workers, 4 KV heads: [1,1,1,1] -> [4] -> [2,1,1] with requests decoding across both transforms."""
+    from elastic_hf.engine.sampling_params import SamplingParams
+
     path = tp_checkpoint("kv4")
     reference, tokenizer = load_hf_model(path)
-    prompts = mixed_prompts(tokenizer, 6, 3, 60, seed=12)
-    with Deployment(str(path), num_workers=4, topology=(4,), kv_cache_memory=2 << 20) as dep:
-        _check(dep, reference, prompts)
-        dep.reshape([2, 1, 1])  # idle reshape: the new instances serve the next requests
-        assert [i.tp for i in dep.instances] == [2, 1, 1]
-        _check(dep, reference, prompts[:3])
+    prompts = mixed_prompts(tokenizer, 8, 3, 60, seed=12)
+    with Deployment(str(path), num_workers=4, kv_cache_memory=2 << 20) as dep:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+        ids = [dep.add_request(p, params) for p in prompts]
+        done = {}
+
+        def run(num_steps=None):
+            steps = 0
+            while len(done) < len(ids) and (num_steps is None or steps < num_steps):
+                for out in dep.step():
+                    if out.finished:
+                        done[out.request_id] = out.outputs[0].token_ids
+                steps += 1
+
+        run(3)
+        assert dep.reshape([4]).committed and [i.tp for i in dep.instances] == [4]
+        run(3)
+        assert dep.reshape([2, 1, 1]).committed and [i.tp for i in dep.instances] == [2, 1, 1]
+        run()
+        assert [done[r] for r in ids] == [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+        assert dep.stats()["num_computed_prompt_tokens"] == sum(len(p) for p in prompts)  # no re-prefill
 
 
 @pytest.mark.slow
