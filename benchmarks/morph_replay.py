@@ -20,7 +20,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description, shared_data_dir  # noqa: E402
@@ -80,14 +79,15 @@ class Recorder:
         return out
 
 
-def load_model(kind: str, kv_bytes: int, max_model_len: int):
+def load_model(kind: str, kv_bytes: int, max_model_len: int, device: str):
     from elastic_hf.model.elastic_model import ElasticModel
 
     if kind == "fp":
-        return ElasticModel.from_pretrained(None, kv_cache_memory=kv_bytes, max_model_len=max_model_len)
+        return ElasticModel.from_pretrained(None, kv_cache_memory=kv_bytes, max_model_len=max_model_len,
+                                            device=device)
     mode = "default" if kind == "morph" else "manual"
     model = ElasticModel.from_pretrained(None, kv_cache_memory=kv_bytes, max_model_len=max_model_len, morph=mode,
-                                         morph_options={"variants": {"precisions": ("w4",)}})
+                                         device=device, morph_options={"variants": {"precisions": ("w4",)}})
     if kind == "w4":
         model.morph.to_precision("all", "w4")
     return model
@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ppl-windows", type=int, default=4)
     ap.add_argument("--ppl-seq-len", type=int, default=256)
     ap.add_argument("--plot", default="morph_replay.png")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--servers", default="fp,w4,morph",
                     help="which servers to run, comma-separated (static W4 is impractical where the int-pack "
                          "kernels are much slower than fp32, e.g. this project's 2-core CI CPU)")
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
     requests = build_requests(scale_trace(rows, scale), tokenizer)
     block_bytes = 30 * 3 * 2 * 16 * 64 * 4   # SmolLM2-135M fp32: layers x kv heads x K/V x tokens x head_dim x 4 B
     kv_bytes = args.kv_blocks * block_bytes
-    print(f"machine: {machine_description()}, load average {os.getloadavg()[0]:.1f}")
+    print(f"machine: {machine_description()}, device {args.device}, load average {os.getloadavg()[0]:.1f}")
     print(f"model: SmolLM2-135M-Instruct fp32; fp KV cache {args.kv_blocks} blocks x 16 tokens "
           f"({kv_bytes / 2**20:.1f} MiB); same budget for all servers")
     print(f"trace: {TRACE_NAME} rows {args.start}..{args.start + len(rows) - 1}; scale: {scale.describe()}; "
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
         ap.error(f"--servers must include fp and morph (and may include w4), got {args.servers!r}")
     reports, recorders, starts = {}, {}, {}
     for kind in kinds:
-        model = load_model(kind, kv_bytes, min(512, args.kv_blocks * 16))
+        model = load_model(kind, kv_bytes, min(512, args.kv_blocks * 16), args.device)
         recorder = Recorder(model)
         server = InProcessServer(model)
         try:

@@ -52,7 +52,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--group-size", type=int, default=64, help="W4 group size (must divide 576 and 1536)")
     parser.add_argument("--min-seconds", type=float, default=0.3, help="time budget per measurement")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: on a shared 2-core machine a multi-threaded op "
+                             "waits a whole scheduler time slice, ~20 ms, whenever the other core is busy)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -75,6 +75,9 @@ class CudaCopier:
         """dst: uint8 [nbytes] in the device arena; src: pinned uint8 [nbytes] on the host."""
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        # CudaPageArena.commit zeroes fresh pages with a memset on the *current* stream; without this edge the
+        # side-stream copy could land first and then be wiped. (An event dependency: the CPU does not block.)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
             dst.copy_(src, non_blocking=True)

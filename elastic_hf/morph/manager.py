@@ -77,7 +77,9 @@ class MorphManager:
                      timeout: float = 120.0, controller: bool | None = None) -> dict:
         """Force `layers` ("all", an index or a list) to `precision` ("fp", "w8", "w4"). A forced state turns the
         automatic controller off unless controller=True (set_controller(True) turns it back on). Returns state().
-        A restore to fp that needs KV blocks still in use stays pending until they free up (state()["pending"])."""
+        A restore to fp that needs KV blocks still in use stays pending until they free up (state()["pending"]).
+        With a driver attached, do not call it with wait=True from the driver's own thread (a step hook): the
+        change is applied by that thread's next step boundary."""
         layers = self._validate(layers, precision)
         if self.controller is not None:
             self.controller.enabled = bool(controller)

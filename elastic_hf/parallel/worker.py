@@ -94,6 +94,10 @@ class Worker:
                                 rank=self.me, world_size=config.num_workers,
                                 timeout=datetime.timedelta(seconds=config.collective_timeout_s))
         self.dtype = parse_dtype(config.dtype)
+        # No tqdm bars in workers: they print per process, and tqdm's multiprocessing lock would outlive os._exit.
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         attn = register_paged_attention()
         # The model only: the tokenizer lives in the control plane.
         self.hf_model = AutoModelForCausalLM.from_pretrained(config.checkpoint_dir, dtype=self.dtype,

@@ -42,6 +42,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: $ELASTIC_HF_API_KEY; unset = no auth)" + _OWN_DEFAULT)
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20,
                         help="largest accepted request body in bytes; larger bodies get HTTP 413")
+    parser.add_argument("--admin-key", default=None,
+                        help="bearer key of the /admin routes (morph, reshape); without it they answer 403 "
+                             "(default: $ELASTIC_HF_ADMIN_KEY)" + _OWN_DEFAULT)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="worker processes; more than 1 starts a torch.distributed deployment whose instances "
+                             "can change tensor-parallel degree at runtime (POST /admin/reshape)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="initial tensor-parallel degree of each instance (workers / tp instances)")
+    parser.add_argument("--tp-policy", default="static", choices=("static", "elastic"),
+                        help="elastic: merge instances x2 when a request needs more KV than one holds, split "
+                             "back when no long request remains and load < 50%% (Gyges); static: never reshape "
+                             "on its own")
+    parser.add_argument("--router", default=None, choices=("elastic", "least_load", "round_robin"),
+                        help="how requests pick an instance (default: elastic with --tp-policy elastic, "
+                             "least_load otherwise)" + _OWN_DEFAULT)
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="KV bytes per worker of a multi-worker deployment, e.g. '256MiB' "
+                             "(default: 64 MiB)" + _OWN_DEFAULT)
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level of server and engine")
 
 
@@ -63,24 +81,59 @@ def run(args: argparse.Namespace) -> int:
     from elastic_hf.serving.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Keys from the environment stay out of `ps`.
+    api_key = args.api_key or os.environ.get("ELASTIC_HF_API_KEY") or None
+    admin_key = args.admin_key or os.environ.get("ELASTIC_HF_ADMIN_KEY") or None
     try:
-        model = ElasticModel.from_pretrained(args.model, dtype=args.dtype, memory_budget=args.memory_budget,
-                                             max_model_len=args.max_model_len, **engine_options(args))
+        if args.workers > 1:
+            engine, model_id, close = _build_deployment(args)
+            model = None
+        else:
+            model = ElasticModel.from_pretrained(args.model, dtype=args.dtype, memory_budget=args.memory_budget,
+                                                 max_model_len=args.max_model_len, **engine_options(args))
+            engine, model_id, close = model.engine, model.model_id, None
     except (ValueError, OSError) as exc:  # bad flag values or a missing model: a message, not a traceback
         print(f"elastic-hf serve: error: {exc}", file=sys.stderr)
         return 2
-    api_key = args.api_key or os.environ.get("ELASTIC_HF_API_KEY") or None  # env keeps the key out of `ps`
-    async_engine = AsyncEngine(model.engine).start()
-    app = build_app(async_engine, api_key=api_key, model_id=args.served_model_name or model.model_id,
+    async_engine = AsyncEngine(engine).start()
+    app = build_app(async_engine, api_key=api_key, model_id=args.served_model_name or model_id,
                     max_body_bytes=args.max_body_bytes)
-    app.state.elastic_model = model  # admin endpoints of later issues reach the morph controls through it
-    logging.getLogger(__name__).info("serving %s on http://%s:%d (auth %s)", model.model_id, args.host, args.port,
-                                     "on" if api_key else "off")
+    app.state.elastic_model = model
+    if args.workers > 1:
+        from elastic_hf.serving.admin_reshape import admin_reshape_router
+
+        app.include_router(admin_reshape_router(engine, async_engine, admin_key))
+    logging.getLogger(__name__).info("serving %s on http://%s:%d (auth %s, admin %s)", model_id, args.host,
+                                     args.port, "on" if api_key else "off", "on" if admin_key else "off")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
         async_engine.shutdown()
+        if close is not None:
+            close()
     return 0
+
+
+def _build_deployment(args: argparse.Namespace):
+    """A multi-worker deployment behind the same AsyncEngine: (engine, model id, close callback)."""
+    from elastic_hf.memory import parse_memory_budget
+    from elastic_hf.parallel.deployment import Deployment
+    from elastic_hf.parallel.deployment_engine import DeploymentEngine
+
+    if args.memory_budget is not None:
+        raise ValueError("--memory-budget applies to a single worker; with --workers use --kv-cache-memory")
+    if args.tp < 1 or args.workers % args.tp:
+        raise ValueError(f"--tp must divide --workers: {args.tp} does not divide {args.workers}")
+    options = dict(num_workers=args.workers, topology=(args.tp,) * (args.workers // args.tp),
+                   tp_policy=args.tp_policy, router=args.router or (
+                       "elastic" if args.tp_policy == "elastic" else "least_load"),
+                   max_model_len=args.max_model_len, **engine_options(args))
+    if args.dtype is not None:
+        options["dtype"] = args.dtype
+    if args.kv_cache_memory is not None:
+        options["kv_cache_memory"] = parse_memory_budget(args.kv_cache_memory, None)
+    deployment = Deployment(args.model, **options)
+    return DeploymentEngine(deployment), deployment.model_id, deployment.close
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """AWQ scale search and folding, quantized decoder layers (drop-in, save/load), and the fully W4 default model.
 
-Default-model numbers (measured on this 2-core CPU, torch 2.13, calibration 2 x 256 tokens from the first half
-of wikitext2-valid, evaluation 4 x 256 held-out tokens from the second half, W4 g64):
-see FULL_W4_PPL_RATIO_BOUND below and the closing report of the quantization issue.
+Default-model numbers measured on this 2-core CPU (torch 2.13), W4 g64, calibration 2 x 256 tokens from the first
+half of wikitext2-valid, evaluation 4 x 256 held-out tokens from the second half:
+  perplexity fp32 43.10, all 30 layers RTN 62.61 (x1.45), all 30 layers AWQ 48.42 (x1.12).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from elastic_hf.layers.quantize_layer import (calibrate_and_quantize, decoder_la
                                               save_layer_variant)
 from elastic_hf.patches import get_adapter
 
-# Fully W4 (g64, AWQ) default model: held-out perplexity / fp32 perplexity. Measured 1.13 (see module doc);
-# the bound leaves room for calibration noise but fails if quantization breaks (broken layers give ratios >> 2).
+# Fully W4 (g64, AWQ) default model: held-out perplexity / fp32 perplexity. Measured 1.12 (see module doc); the
+# bound leaves room for calibration noise and fails well before RTN-level damage (1.45) or broken layers (>> 2).
 FULL_W4_PPL_RATIO_BOUND = 1.30
 
 

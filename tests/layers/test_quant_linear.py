@@ -14,7 +14,6 @@ from torch import nn
 from elastic_hf.layers.quant_linear import empty_quant_linear, quantize_linear, reference_linear
 from elastic_hf.layers.quant_scheme import QuantScheme
 from elastic_hf.layers.w4_linear import W4Linear, pack_int4, unpack_int4
-from elastic_hf.layers.w8_linear import W8Linear
 
 RANDOM_BOUNDS = {("w8", None): 0.011, ("w4", 32): 0.10, ("w4", 64): 0.115, ("w4", 128): 0.13}
 REAL_BOUNDS = {("w8", None): 0.012, ("w4", 64): 0.11}

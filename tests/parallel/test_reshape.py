@@ -248,3 +248,17 @@ def test_async_engine_serves_a_deployment_across_a_reshape(setup):
     assert outputs == expected[:4] and up.committed and down.committed
     assert engine.stats()["kv_blocks_used"] == 0
     assert b"elastic_hf_tp_transforms_total" in async_engine.metrics.render()
+
+
+def test_bad_reshape_and_routing_input_is_refused_cleanly(setup):
+    dep, prompts, _, _ = setup
+    with pytest.raises(ValueError, match="not a candidate"):
+        dep.reshape([3])
+    with pytest.raises(ValueError, match=r"instance must be in \[0, 2\)"):
+        dep.add_request(prompts[0], instance=5)
+    rid = dep.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
+    with pytest.raises(ValueError, match="already in use"):
+        dep.add_request(prompts[1], request_id=rid)
+    dep.abort_request(rid)
+    dep.abort_request(rid)  # idempotent
+    assert not dep.has_unfinished_requests() and str(dep.topology) == "[1,1]"

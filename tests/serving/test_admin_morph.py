@@ -83,3 +83,38 @@ def test_forced_morph_while_requests_stream(admin):
     assert "elastic_hf_morph_swap_latency_seconds_count" in metrics
     back = client.post("/admin/morph", json={"layers": [0, 1], "precision": "fp"}, headers=AUTH).json()
     assert back["layer_counts"]["fp"] == 2 and back["pending"] == []
+
+
+def test_idle_server_restores_to_full_precision_by_itself(tiny_checkpoint):
+    """No requests at all: the engine thread keeps ticking step boundaries while layers are below fp
+    (LLMEngine.idle_work_checks), so the controller restores them once its hold time passed."""
+    import time
+
+    from elastic_hf.engine.async_engine import AsyncEngine
+    from elastic_hf.model.elastic_model import ElasticModel
+    from elastic_hf.serving.admin_morph import admin_morph_router
+    from elastic_hf.serving.app import build_app
+
+    model = ElasticModel.from_pretrained(
+        tiny_checkpoint, max_model_len=512, kv_cache_memory=4 << 20, morph="default",
+        morph_options={"variants": {"use_cache": False},
+                       "controller": {"restore_persistence_steps": 2, "restore_hold_s": 0.2,
+                                      "restore_layers_per_step": 1}})
+    async_engine = AsyncEngine(model.engine).start()
+    app = build_app(async_engine, model_id=model.model_id)
+    app.include_router(admin_morph_router(model, async_engine, ADMIN_KEY))
+    try:
+        with TestClient(app) as client:
+            state = client.post("/admin/morph", json={"layers": "all", "precision": "w4", "controller": "on"},
+                                headers=AUTH).json()
+            assert state["layer_counts"]["w4"] == 2 and state["controller_enabled"] is True
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                state = client.get("/admin/morph", headers=AUTH).json()
+                if state["layer_counts"]["fp"] == 2:
+                    break
+                time.sleep(0.05)
+            assert state["layer_counts"]["fp"] == 2, state["layer_counts"]
+            assert state["swaps"]["w4->fp"] == 2
+    finally:
+        async_engine.shutdown()

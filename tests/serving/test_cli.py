@@ -13,7 +13,8 @@ import time
 import httpx
 
 SERVE_FLAGS = ["--host", "--port", "--memory-budget", "--max-model-len", "--dtype", "--api-key", "--max-num-seqs",
-               "--max-num-batched-tokens", "--log-level", "--served-model-name", "--max-body-bytes"]
+               "--max-num-batched-tokens", "--log-level", "--served-model-name", "--max-body-bytes", "--admin-key",
+               "--workers", "--tp", "--tp-policy", "--router", "--kv-cache-memory"]
 
 
 def _cli() -> list[str]:

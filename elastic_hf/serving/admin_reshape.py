@@ -1,0 +1,63 @@
+"""Admin routes of parallelism morphing on a multi-worker deployment, behind the admin key:
+
+    GET  /admin/reshape   -> current topology, candidate topologies, past transforms
+    POST /admin/reshape   {"topology": [2]}  -> runs the transform as a transaction on the engine thread
+
+A rejected topology is a 400; a transform that rolled back before its commit point is a 409 (the old topology
+keeps serving)."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from elastic_hf.serving.admin_auth import admin_error, check_admin
+
+
+class ReshapeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    topology: list[int] = Field(min_length=1, max_length=8)
+    weights_source: str | None = None  # "host" (shared weight store) or "peers"; default: the plan's choice
+
+
+def admin_reshape_router(deployment_engine, async_engine, admin_key: str | None) -> APIRouter:
+    from elastic_hf.parallel.deployment import ReshapeAborted
+
+    router = APIRouter()
+    deployment = deployment_engine.deployment
+
+    @router.get("/admin/reshape")
+    async def get_reshape(request: Request):
+        denied = check_admin(request, admin_key)
+        if denied is not None:
+            return denied
+        return {"topology": list(deployment.topology.sizes),
+                "candidates": [list(t.sizes) for t in deployment.candidates],
+                "tp_policy": deployment.options.tp_policy,
+                "reshapes": [{k: v for k, v in asdict(r).items() if k != "worker_stats"} for r in deployment.reshapes]}
+
+    @router.post("/admin/reshape")
+    async def post_reshape(request: Request):
+        denied = check_admin(request, admin_key)
+        if denied is not None:
+            return denied
+        try:
+            body = ReshapeRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}"
+                                 for e in exc.errors()[:8])
+            return admin_error(400, f"invalid reshape request: {problems}", "invalid_request")
+        if body.weights_source not in (None, "host", "peers"):
+            return admin_error(400, f"weights_source must be 'host' or 'peers', got {body.weights_source!r}",
+                               "invalid_request", "weights_source")
+        try:
+            # On the engine thread, between two steps: that is the transaction's quiesce point.
+            report = await async_engine.call(deployment_engine.reshape, body.topology, body.weights_source)
+        except ValueError as exc:
+            return admin_error(400, str(exc), "invalid_topology", "topology")
+        except ReshapeAborted as exc:
+            return admin_error(409, str(exc), "reshape_rolled_back")
+        return {k: v for k, v in asdict(report).items() if k != "worker_stats"}
+
+    return router
