@@ -205,7 +205,7 @@ def main(argv=None) -> int:
 
     order = list(range(30))
     curve = perplexity_curve(order, [0, 2, 4, 8, 12, 16, 22, 30], args.ppl_windows, args.ppl_seq_len)
-    print(f"\nheld-out perplexity with the first k layers in W4: "
+    print("\nheld-out perplexity with the first k layers in W4: "
           + ", ".join(f"k={k}: {v:.3f}" for k, v in curve.items()))
     loss_w4 = curve[30] - curve[0]
     tokens = recorders["morph"].tokens_by_w4_layers()

@@ -8,12 +8,13 @@ boundary; a restore that needs KV blocks still in use returns at once with those
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from elastic_hf.serving.admin_auth import admin_error, check_admin
 
 
 class MorphRequest(BaseModel):
@@ -22,17 +23,6 @@ class MorphRequest(BaseModel):
     precision: str | None = None
     controller: Literal["on", "off"] | None = None
     timeout_s: float = Field(default=30.0, gt=0, le=600)
-
-
-def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
-    # The OpenAI-style error body that the rest of the server uses.
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                   "code": code}}, status_code=status)
-
-
-def _authorized(request: Request, admin_key: str) -> bool:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), admin_key.encode())
 
 
 def admin_morph_router(model, async_engine, admin_key: str | None) -> APIRouter:
@@ -47,13 +37,11 @@ def admin_morph_router(model, async_engine, admin_key: str | None) -> APIRouter:
         manager.attach_driver(async_engine.wake)
 
     def guard(request: Request) -> JSONResponse | None:
-        if not admin_key:
-            return _error(403, "admin endpoints are disabled: start the server with --admin-key", "admin_disabled")
-        if not _authorized(request, admin_key):
-            return _error(401, "missing or invalid admin key: send 'Authorization: Bearer <admin key>'",
-                          "invalid_admin_key")
+        denied = check_admin(request, admin_key)
+        if denied is not None:
+            return denied
         if manager is None:
-            return _error(409, "precision morphing is off for this server: start it with --morph "
+            return admin_error(409, "precision morphing is off for this server: start it with --morph "
                                "{manual,accuracy,default,performance}", "morph_off")
         return None
 
@@ -74,35 +62,35 @@ def admin_morph_router(model, async_engine, admin_key: str | None) -> APIRouter:
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}"
                                  for e in exc.errors()[:8])
-            return _error(400, f"invalid morph request: {problems}", "invalid_request")
+            return admin_error(400, f"invalid morph request: {problems}", "invalid_request")
         if body.precision is None and body.layers is None:
             if body.controller is None:
-                return _error(400, "give 'precision' and 'layers' to force a state, or 'controller': 'on'|'off'",
+                return admin_error(400, "give 'precision' and 'layers' to force a state, or 'controller': 'on'|'off'",
                               "invalid_request")
             try:
                 manager.set_controller(body.controller == "on")
             except ValueError as exc:
-                return _error(400, str(exc), "invalid_request", "controller")
+                return admin_error(400, str(exc), "invalid_request", "controller")
             return manager.state()
         if body.precision is None or body.layers is None:
             missing = "precision" if body.precision is None else "layers"
-            return _error(400, f"'{missing}' is required with '{'layers' if missing == 'precision' else 'precision'}'",
+            return admin_error(400, f"'{missing}' is required with '{'layers' if missing == 'precision' else 'precision'}'",
                           "invalid_request", missing)
         precisions = manager.swapper.store.precisions
         if body.precision not in precisions:
-            return _error(400, f"precision {body.precision!r} is unknown; allowed: {', '.join(precisions)}",
+            return admin_error(400, f"precision {body.precision!r} is unknown; allowed: {', '.join(precisions)}",
                           "unknown_precision", "precision")
         if body.layers != "all":
             bad = [i for i in body.layers if not 0 <= i < manager.num_layers]
             if bad:
-                return _error(404, f"layer(s) {bad} do not exist: this model has layers 0..{manager.num_layers - 1}",
+                return admin_error(404, f"layer(s) {bad} do not exist: this model has layers 0..{manager.num_layers - 1}",
                               "unknown_layer", "layers")
         controller = None if body.controller is None else body.controller == "on"
         try:
             state = await asyncio.to_thread(manager.to_precision, body.layers, body.precision, wait=True,
                                             timeout=body.timeout_s, controller=controller)
         except ValueError as exc:
-            return _error(400, str(exc), "invalid_request")
+            return admin_error(400, str(exc), "invalid_request")
         except RuntimeError as exc:
             return JSONResponse({"error": {"message": str(exc), "type": "server_error", "param": None,
                                            "code": "morph_failed"}}, status_code=500)

@@ -42,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: $ELASTIC_HF_API_KEY; unset = no auth)" + _OWN_DEFAULT)
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20,
                         help="largest accepted request body in bytes; larger bodies get HTTP 413")
+    parser.add_argument("--morph", default="off", choices=("off", "manual", "accuracy", "default", "performance"),
+                        help="precision morphing: swap decoder layers to INT8/INT4 under KV pressure and give the "
+                             "freed memory to the KV cache, back to full precision when load falls (MorphServe); "
+                             "manual = only through POST /admin/morph")
+    parser.add_argument("--profile", default=None,
+                        help="LIS profile JSON from `elastic-hf profile` giving the swap order "
+                             "(default: front to back)" + _OWN_DEFAULT)
     parser.add_argument("--admin-key", default=None,
                         help="bearer key of the /admin routes (morph, reshape); without it they answer 403 "
                              "(default: $ELASTIC_HF_ADMIN_KEY)" + _OWN_DEFAULT)
@@ -90,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
             model = None
         else:
             model = ElasticModel.from_pretrained(args.model, dtype=args.dtype, memory_budget=args.memory_budget,
-                                                 max_model_len=args.max_model_len, **engine_options(args))
+                                                 max_model_len=args.max_model_len, morph=args.morph,
+                                                 profile=args.profile, **engine_options(args))
             engine, model_id, close = model.engine, model.model_id, None
     except (ValueError, OSError) as exc:  # bad flag values or a missing model: a message, not a traceback
         print(f"elastic-hf serve: error: {exc}", file=sys.stderr)
@@ -103,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
         from elastic_hf.serving.admin_reshape import admin_reshape_router
 
         app.include_router(admin_reshape_router(engine, async_engine, admin_key))
+    else:
+        from elastic_hf.serving.admin_morph import admin_morph_router
+
+        app.include_router(admin_morph_router(model, async_engine, admin_key))
     logging.getLogger(__name__).info("serving %s on http://%s:%d (auth %s, admin %s)", model_id, args.host,
                                      args.port, "on" if api_key else "off", "on" if admin_key else "off")
     try:
@@ -122,6 +134,8 @@ def _build_deployment(args: argparse.Namespace):
 
     if args.memory_budget is not None:
         raise ValueError("--memory-budget applies to a single worker; with --workers use --kv-cache-memory")
+    if args.morph != "off":
+        raise ValueError("--morph works on a single worker for now; drop --workers or --morph")
     if args.tp < 1 or args.workers % args.tp:
         raise ValueError(f"--tp must divide --workers: {args.tp} does not divide {args.workers}")
     options = dict(num_workers=args.workers, topology=(args.tp,) * (args.workers // args.tp),

@@ -14,7 +14,7 @@ import httpx
 
 SERVE_FLAGS = ["--host", "--port", "--memory-budget", "--max-model-len", "--dtype", "--api-key", "--max-num-seqs",
                "--max-num-batched-tokens", "--log-level", "--served-model-name", "--max-body-bytes", "--admin-key",
-               "--workers", "--tp", "--tp-policy", "--router", "--kv-cache-memory"]
+               "--workers", "--tp", "--tp-policy", "--router", "--kv-cache-memory", "--morph", "--profile"]
 
 
 def _cli() -> list[str]:
