@@ -14,6 +14,7 @@ import functools
 import torch
 from torch import nn
 
+from elastic_hf.layers.kernel_dtype import int_pack_kernel_dtype
 from elastic_hf.layers.quant_scheme import QuantScheme, dequantize_w4, quantize_w4
 
 _CUDA_INNER_K_TILES = (8, 4, 2)
@@ -74,9 +75,9 @@ def from_portable_qweight(qweight: torch.Tensor) -> torch.Tensor:
 class W4Linear(nn.Module):
     """y = x @ W4^T + bias with W4 group-wise uint4, computed by the int4-pack kernel (no fp weight).
 
-    On CPU the kernel takes fp32 activations directly (kernel vs dequantized reference: relative error ~1e-6).
-    On CUDA the kernel needs bf16: activations and scales are cast at the boundary and the output is cast back
-    (relative error ~3e-3 from bf16 rounding)."""
+    Activations and scales are cast to bf16 at the kernel boundary (see kernel_dtype.py: on CPU the bf16 path is
+    the vectorized one, on CUDA the kernel needs it) and the output is cast back; kernel vs dequantized fp32
+    reference: relative error ~4e-3 from bf16 rounding."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int, has_bias: bool, device=None):
         super().__init__()
@@ -118,11 +119,11 @@ class W4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead_shape = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # [num_tokens, in]
+        kernel_dtype = int_pack_kernel_dtype(x)
         if x.device.type == "cuda":
-            out = torch.ops.aten._weight_int4pack_mm(x2d.to(torch.bfloat16), self.weight_packed, self.group_size,
-                                                     self.scales_and_zeros.to(torch.bfloat16))
+            out = torch.ops.aten._weight_int4pack_mm(x2d.to(kernel_dtype), self.weight_packed, self.group_size,
+                                                     self.scales_and_zeros.to(kernel_dtype))
         else:
-            kernel_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.to(kernel_dtype).contiguous(), self.weight_packed,
                                                              self.group_size, self.scales_and_zeros.to(kernel_dtype))
         if self.bias is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from elastic_hf.layers.kernel_dtype import int_pack_kernel_dtype
 from elastic_hf.layers.quant_scheme import QuantScheme, dequantize_w8, quantize_w8
 
 
@@ -39,14 +40,9 @@ class W8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> "W8Linear":
         return cls.from_weight(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
 
-    def _kernel_dtype(self, x: torch.Tensor) -> torch.dtype:
-        if x.device.type == "cuda":
-            return torch.bfloat16
-        return x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead_shape = x.shape[:-1]
-        kernel_dtype = self._kernel_dtype(x)
+        kernel_dtype = int_pack_kernel_dtype(x)
         x2d = x.reshape(-1, self.in_features).to(kernel_dtype)  # [num_tokens, in]
         out = torch.ops.aten._weight_int8pack_mm(x2d, self.qweight, self.scales.to(kernel_dtype))  # [num_tokens, out]
         if self.bias is not None:

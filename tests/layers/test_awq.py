@@ -86,8 +86,9 @@ def test_quantized_layer_is_drop_in_and_roundtrips(make_tiny_model, tmp_path, mo
     assert not any(is_quant_linear(m) for m in model.model.layers[1].modules()), "original must stay untouched"
     with torch.no_grad():
         out = variant(hidden, **kwargs)
-        assert rel_err(out, calibrated.reference(hidden, **kwargs)) < 1e-5
-        assert rel_err(out, reference_layer(variant)(hidden, **kwargs)) < 1e-5
+        # The int-pack kernels take bf16 activations (layers/kernel_dtype.py); the fp32 references do not.
+        assert rel_err(out, calibrated.reference(hidden, **kwargs)) < 1e-3
+        assert rel_err(out, reference_layer(variant)(hidden, **kwargs)) < 1e-3
         ids = torch.randint(0, model.config.vocab_size, (1, 12))
         full = model(ids).logits
         model.model.layers[1] = variant  # drop-in: the HF model runs it unchanged

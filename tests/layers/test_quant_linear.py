@@ -17,7 +17,7 @@ from elastic_hf.layers.w4_linear import W4Linear, pack_int4, unpack_int4
 
 RANDOM_BOUNDS = {("w8", None): 0.011, ("w4", 32): 0.10, ("w4", 64): 0.115, ("w4", 128): 0.13}
 REAL_BOUNDS = {("w8", None): 0.012, ("w4", 64): 0.11}
-KERNEL_VS_REFERENCE = 1e-5  # fp32 activations on CPU: the kernels accumulate in fp32
+KERNEL_VS_REFERENCE = 1e-2  # bf16 activations at the kernel boundary (layers/kernel_dtype.py): ~4e-3 measured
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
