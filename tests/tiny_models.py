@@ -12,10 +12,10 @@ TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, n
                    num_key_value_heads=2, max_position_embeddings=1024)
 
 
-def _config(arch: str):
+def _config(arch: str, shape: dict):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(TINY_SHAPES, vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    common = dict(TINY_SHAPES, **shape, vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                   tie_word_embeddings=False, initializer_range=0.2)
     if arch == "llama":
         return LlamaConfig(**common)
@@ -26,7 +26,8 @@ def _config(arch: str):
     raise ValueError(arch)
 
 
-def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
+def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0, **shape) -> Path:
+    """shape overrides TINY_SHAPES (hidden_size, num_key_value_heads, ...)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from elastic_hf.model.loader import resolve_model
@@ -35,7 +36,7 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     if (out_dir / "config.json").exists():
         return out_dir
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_config(arch, shape), dtype=torch.float32)
     with torch.no_grad():  # biases default to zero; make them matter
         for name, p in model.named_parameters():
             if name.endswith(".bias"):

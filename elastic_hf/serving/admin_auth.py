@@ -5,6 +5,7 @@ import hmac
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 
 
 def admin_error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
@@ -22,3 +23,12 @@ def check_admin(request: Request, admin_key: str | None) -> JSONResponse | None:
         return admin_error(401, "missing or invalid admin key: send 'Authorization: Bearer <admin key>'",
                            "invalid_admin_key")
     return None
+
+
+async def parse_admin_body(request: Request, model: type[BaseModel], what: str):
+    """(body, None) or (None, 400 response naming every invalid field)."""
+    try:
+        return model.model_validate_json(await request.body()), None
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:8])
+        return None, admin_error(400, f"invalid {what} request: {problems}", "invalid_request")

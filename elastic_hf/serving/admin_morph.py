@@ -12,9 +12,9 @@ from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from elastic_hf.serving.admin_auth import admin_error, check_admin
+from elastic_hf.serving.admin_auth import admin_error, check_admin, parse_admin_body
 
 
 class MorphRequest(BaseModel):
@@ -57,12 +57,9 @@ def admin_morph_router(model, async_engine, admin_key: str | None) -> APIRouter:
         denied = guard(request)
         if denied is not None:
             return denied
-        try:
-            body = MorphRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}"
-                                 for e in exc.errors()[:8])
-            return admin_error(400, f"invalid morph request: {problems}", "invalid_request")
+        body, invalid = await parse_admin_body(request, MorphRequest, "morph")
+        if invalid is not None:
+            return invalid
         if body.precision is None and body.layers is None:
             if body.controller is None:
                 return admin_error(400, "give 'precision' and 'layers' to force a state, or 'controller': 'on'|'off'",

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from elastic_hf.serving.admin_auth import admin_error, check_admin
+from elastic_hf.serving.admin_auth import admin_error, check_admin, parse_admin_body
 
 
 class ReshapeRequest(BaseModel):
@@ -42,12 +42,9 @@ def admin_reshape_router(deployment_engine, async_engine, admin_key: str | None)
         denied = check_admin(request, admin_key)
         if denied is not None:
             return denied
-        try:
-            body = ReshapeRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}"
-                                 for e in exc.errors()[:8])
-            return admin_error(400, f"invalid reshape request: {problems}", "invalid_request")
+        body, invalid = await parse_admin_body(request, ReshapeRequest, "reshape")
+        if invalid is not None:
+            return invalid
         if body.weights_source not in (None, "host", "peers"):
             return admin_error(400, f"weights_source must be 'host' or 'peers', got {body.weights_source!r}",
                                "invalid_request", "weights_source")

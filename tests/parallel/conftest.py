@@ -3,11 +3,9 @@ shard pages show in RSS, and 4 KV heads for TP4. Deployments are module-scoped: 
 seconds (torch import), the tests reuse them and reshape them to the topology they need."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 TP_SHAPES = {
     # hidden 96 / 6 heads -> head_dim 16; 3 KV heads; MLP 3 x 96 x 1536 fp32 = 1.7 MiB per layer
@@ -19,27 +17,9 @@ TP_SHAPES = {
 
 
 def build_tp_checkpoint(shape: str, arch: str, out_dir: Path, seed: int = 0) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+    from tiny_models import build_tiny_checkpoint
 
-    from elastic_hf.model.loader import resolve_model
-
-    if (out_dir / "config.json").exists():
-        return out_dir
-    common = dict(TP_SHAPES[shape], vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                  tie_word_embeddings=False, initializer_range=0.2, max_position_embeddings=1024)
-    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.2)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir).save_pretrained(tmp)
-    tmp.rename(out_dir)
-    return out_dir
+    return build_tiny_checkpoint(arch, out_dir, seed, **TP_SHAPES[shape])
 
 
 @pytest.fixture(scope="session")

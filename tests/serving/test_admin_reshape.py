@@ -2,50 +2,22 @@
 merges the two TP1 instances into one TP2 instance and splits them back while the server keeps answering the
 same greedy text."""
 import os
-import signal
-import socket
-import subprocess
-import time
 
 import httpx
 import pytest
 
-from test_cli import _cli
+from test_cli import start_cli_server, stop_cli_server
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def deployment_server(tiny_checkpoint):
-    port = _free_port()
     env = {**os.environ, "ELASTIC_HF_ADMIN_KEY": "admin-secret"}
-    proc = subprocess.Popen(_cli() + ["serve", tiny_checkpoint, "--port", str(port), "--workers", "2",
-                                      "--kv-cache-memory", "16MiB", "--max-model-len", "256",
-                                      "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, f"server exited early: {proc.stdout.read()}"
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "deployment did not become healthy in 180 s"
-        time.sleep(0.3)
+    proc, base = start_cli_server([tiny_checkpoint, "--workers", "2", "--kv-cache-memory", "16MiB",
+                                   "--max-model-len", "256", "--log-level", "warning"], env)
     yield base
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_cli_server(proc)
 
 
 def _complete(base: str, prompt: str) -> str:

@@ -64,24 +64,38 @@ def _non_loopback_address() -> str | None:
     return None if address.startswith("127.") else address
 
 
-def test_serve_runs_on_loopback_with_api_key(tiny_checkpoint):
+def start_cli_server(args: list[str], env: dict, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
+    """`elastic-hf serve ARGS --port P` as a subprocess, returned once /health answers."""
     port = _free_port()
-    env = {**os.environ, "ELASTIC_HF_API_KEY": "cli-key"}
-    proc = subprocess.Popen(_cli() + ["serve", tiny_checkpoint, "--port", str(port), "--memory-budget", "96MiB",
-                                      "--max-model-len", "256", "--max-num-seqs", "8", "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(_cli() + ["serve", *args, "--port", str(port)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"server exited early: {proc.stdout.read()}"
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"server did not become healthy in {timeout_s:.0f} s"
+        time.sleep(0.2)
+
+
+def stop_cli_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited early: {proc.stdout.read()}"
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy in 120 s"
-            time.sleep(0.2)
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_serve_runs_on_loopback_with_api_key(tiny_checkpoint):
+    env = {**os.environ, "ELASTIC_HF_API_KEY": "cli-key"}
+    proc, base = start_cli_server([tiny_checkpoint, "--memory-budget", "96MiB", "--max-model-len", "256",
+                                   "--max-num-seqs", "8", "--log-level", "warning"], env)
+    port = int(base.rsplit(":", 1)[1])
+    try:
         assert httpx.get(base + "/v1/models", timeout=10).status_code == 401
         models = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer cli-key"}, timeout=10).json()
         assert models["data"][0]["max_model_len"] == 256
@@ -96,11 +110,7 @@ def test_serve_runs_on_loopback_with_api_key(tiny_checkpoint):
             except OSError:
                 pass
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_cli_server(proc)
     assert proc.returncode == 0, proc.stdout.read()
 
 
