@@ -6,9 +6,25 @@ their quantized variant.
     MDS_p = cos(f^(Q)(x), f^(Q u {p})(x))      model degradation sensitivity     (eq. 4)
     LIS_p = a1 * LTS_p + a2 * LRS_p + b * MDS_p                                  (eq. 5)
 
+Normalisation (`normalize`): the three cosines live on very different scales. On SmolLM2-135M (W4 AWQ) LTS
+spans 0.02-0.97 across layers while MDS spans 0.9980-0.9996, about 100x less, so with the raw sum the order is
+"highest LTS first" whatever the weights say. With normalize="minmax" each term is mapped to
+[0, 1] by its spread over the layers before weighting, LIS_p = a1 * N(LTS_p) + a2 * N(LRS_p) + b * N(MDS_p),
+so a1/a2/b really are the terms' shares; "zscore" divides by the standard deviation instead; "none" is eq. 5
+on the raw cosines and stays the default: on SmolLM2-135M (W4 g64 AWQ, 8 x 512 held-out tokens) no variant was
+no worse than both front-to-back and random at k = 4, 8 and 16 together (minmax: k = 4 and 8 yes, 16 no;
+minmax with mds_metric="kl": 8 and 16 yes, 4 no). The maps are fixed once: LTS/LRS over all layers, MDS over
+the first greedy step (which scores every layer). A fixed affine map per term keeps the lazy greedy's stale
+scores comparable with fresh ones (renormalising over the remaining candidates every step would change every
+stale score); later MDS values may fall slightly outside [0, 1]. The maps are stored in the profile JSON
+("normalization"), with every layer's first-step MDS ("first_mds").
+
+MDS metric (`mds_metric`): "cosine" (default) compares final normed hidden states as described above; "kl" runs
+the LM head and uses exp(-KL(p_Q || p_Q+p)) of the next-token distributions, per token, averaged (1 = identical,
+like a cosine): closer to what perplexity measures, at about twice the greedy cost on SmolLM2-135M.
+
 Cosines are per token over the hidden dimension, averaged over all calibration tokens. f(x) is the final
-normed hidden state (the LM head's input): the head is one fixed linear map, and computing 49k-vocabulary
-logits for every candidate would cost more than the decoder layers that follow it.
+normed hidden state (the LM head's input) unless mds_metric="kl".
 
 Greedy selection (Algorithm 1): Q starts empty; each step scores every layer not in Q and moves the one with the
 highest LIS into Q. Cost control, because a naive implementation runs the whole model per candidate:
@@ -26,6 +42,7 @@ Quantized layers run as fp32 reference copies of their dequantized weights (iden
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import time
 from dataclasses import dataclass, field
@@ -41,6 +58,7 @@ from elastic_hf.layers.quant_scheme import QuantScheme
 from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs, reference_layer
 
 PROFILE_FORMAT = "elastic-hf-lis-profile/1"
+NORMALIZATIONS = ("minmax", "zscore", "none")
 # Config fields that do not change the network's function (or are not stable across loads).
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
                          "_attn_implementation", "_attn_implementation_autoset", "use_cache", "output_attentions",
@@ -57,6 +75,9 @@ class LisConfig:
     seed: int = 0              # picks the calibration windows and the AWQ loss tokens
     mds_samples: int = 2       # sequences used for the greedy MDS (<= samples)
     refresh: int = 3           # lazy-greedy re-scorings per step; 0 = re-score all (Algorithm 1 verbatim)
+    normalize: str = "none"    # per-term scaling before weighting: minmax, zscore or none (raw eq. 5)
+    mds_metric: str = "cosine" # MDS similarity: cosine of final normed hidden states, or kl: exp(-KL) of the
+                               # next-token distributions (the LM head's output)
 
     def __post_init__(self):
         for name in ("alpha1", "alpha2", "beta"):
@@ -74,6 +95,10 @@ class LisConfig:
         self.mds_samples = min(self.mds_samples, self.samples)
         if self.refresh < 0:
             raise ValueError(f"refresh={self.refresh} must be >= 0 (0 = re-score every candidate every step)")
+        if self.mds_metric not in ("cosine", "kl"):
+            raise ValueError(f"mds_metric={self.mds_metric!r} is not one of cosine, kl")
+        if self.normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize={self.normalize!r} is not one of {', '.join(NORMALIZATIONS)}")
 
 
 def fallback_order(num_layers: int) -> list[int]:
@@ -97,6 +122,29 @@ def calibration_batch(token_ids: torch.Tensor, samples: int, seq_len: int, seed:
     picks = torch.randperm(num_windows, generator=generator)[:samples].sort().values
     windows = token_ids[: num_windows * seq_len].reshape(num_windows, seq_len)
     return windows[picks].clone()
+
+
+def term_scale(values: list[float], method: str) -> tuple[float, float]:
+    """(center, scale) of the fixed map x -> (x - center) / scale that normalises one LIS term over `values`:
+    minmax -> (min, max - min), zscore -> (mean, population std), none -> (0, 1). A constant term (zero spread)
+    gets scale 1, so it adds the same value to every layer and does not affect the order."""
+    if method == "none" or not values:
+        return 0.0, 1.0
+    if method == "minmax":
+        center, spread = min(values), max(values) - min(values)
+    elif method == "zscore":
+        center = sum(values) / len(values)
+        spread = (sum((v - center) ** 2 for v in values) / len(values)) ** 0.5
+    else:
+        raise ValueError(f"normalize={method!r} is not one of {', '.join(NORMALIZATIONS)}")
+    return center, spread if spread > 1e-12 else 1.0
+
+
+def lis_score(config: "LisConfig", normalization: dict[str, list[float]], lts: float, lrs: float,
+              mds: float) -> float:
+    """eq. 5 on the normalised terms; normalization maps "lts"/"lrs"/"mds" to (center, scale) (see term_scale)."""
+    n = lambda term, x: (x - normalization[term][0]) / normalization[term][1]  # noqa: E731
+    return config.alpha1 * n("lts", lts) + config.alpha2 * n("lrs", lrs) + config.beta * n("mds", mds)
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -127,6 +175,13 @@ class LisProfile:
     timings: dict[str, float] = field(default_factory=dict)
     calib_file: str = ""
     extra: dict = field(default_factory=dict)
+    normalization: dict[str, list[float]] = field(default_factory=dict)  # term -> [center, scale]
+    first_mds: list[float] = field(default_factory=list)  # step-1 MDS of every layer (defines the MDS map)
+
+    def lis(self, lts: float, lrs: float, mds: float) -> float:
+        """The LIS this profile's greedy used for these term values."""
+        normalization = self.normalization or {term: [0.0, 1.0] for term in ("lts", "lrs", "mds")}
+        return lis_score(self.config, normalization, lts, lrs, mds)
 
     def to_dict(self) -> dict:
         return {
@@ -136,14 +191,17 @@ class LisProfile:
             "num_layers": self.num_layers,
             "quant_scheme": self.scheme.to_dict(),
             "weights": {"alpha1": self.config.alpha1, "alpha2": self.config.alpha2, "beta": self.config.beta},
+            "normalize": self.config.normalize,
+            "normalization": self.normalization,
             "calibration": {"file": self.calib_file, "samples": self.config.samples, "seq_len": self.config.seq_len,
                             "seed": self.config.seed, "mds_samples": self.config.mds_samples,
-                            "refresh": self.config.refresh},
+                            "refresh": self.config.refresh, "mds_metric": self.config.mds_metric},
             "order": self.order,
             "steps": [{"step": s.step, "layer": s.layer, "lts": s.lts, "lrs": s.lrs, "mds": s.mds, "lis": s.lis}
                       for s in self.steps],
             "lts": self.lts,
             "lrs": self.lrs,
+            "first_mds": self.first_mds,
             "timings": self.timings,
             **self.extra,
         }
@@ -181,13 +239,16 @@ def load_profile(path: str | Path, hf_config=None) -> LisProfile:
     config = LisConfig(alpha1=weights.get("alpha1", 0.25), alpha2=weights.get("alpha2", 0.25),
                        beta=weights.get("beta", 0.5), samples=calib.get("samples", 8),
                        seq_len=calib.get("seq_len", 512), seed=calib.get("seed", 0),
-                       mds_samples=calib.get("mds_samples", 2), refresh=calib.get("refresh", 0))
+                       mds_samples=calib.get("mds_samples", 2), refresh=calib.get("refresh", 0),
+                       # profiles written before these options used raw eq. 5 with the hidden-state cosine
+                       normalize=data.get("normalize", "none"), mds_metric=calib.get("mds_metric", "cosine"))
     steps = [LisStep(**s) for s in data.get("steps", [])]
-    known = set(LisProfile.__slots__) | {"format", "quant_scheme", "weights", "calibration"}
+    known = set(LisProfile.__slots__) | {"format", "quant_scheme", "weights", "calibration", "normalize"}
     return LisProfile(model_id=data["model_id"], config_hash=data["config_hash"], num_layers=num_layers,
                       scheme=QuantScheme.from_dict(data["quant_scheme"]), config=config, order=order, steps=steps,
                       lts=data.get("lts", []), lrs=data.get("lrs", []), timings=data.get("timings", {}),
-                      calib_file=calib.get("file", ""), extra={k: v for k, v in data.items() if k not in known})
+                      calib_file=calib.get("file", ""), extra={k: v for k, v in data.items() if k not in known},
+                      normalization=data.get("normalization", {}), first_mds=data.get("first_mds", []))
 
 
 @dataclass(slots=True)
@@ -200,15 +261,28 @@ class LisResult:
 class _GreedyState:
     """Inputs of every layer under the current quantized set Q, for the MDS sequences."""
 
-    def __init__(self, layers, references, final_norm, kwargs, inputs: list[torch.Tensor]):
+    def __init__(self, layers, references, final_norm, kwargs, inputs: list[torch.Tensor], lm_head=None):
         self.layers = layers
         self.references = references
         self.final_norm = final_norm
+        self.lm_head = lm_head                    # set: MDS compares next-token distributions (mds_metric="kl")
         self.kwargs = kwargs
         self.inputs = inputs                      # L + 1 tensors [mds_samples, seq, hidden]
         self.quantized: set[int] = set()
-        self.output = final_norm(inputs[-1])      # f^(Q)(x) [mds_samples, seq, hidden]
+        self.output = self.model_output(inputs[-1])  # f^(Q)(x)
         self.layer_forwards = 0
+
+    def model_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """f(x): the final normed hidden state [.., hidden], or with lm_head the log-probabilities [.., vocab]."""
+        normed = self.final_norm(hidden)
+        return normed if self.lm_head is None else self.lm_head(normed).float().log_softmax(-1)
+
+    def similarity(self, output: torch.Tensor) -> float:
+        if self.lm_head is None:
+            return _cosine(self.output, output)
+        # exp(-KL(p_Q || p_Q+p)), KL per token averaged: 1 for identical distributions, like a cosine
+        kl = F.kl_div(output, self.output, log_target=True, reduction="none").sum(-1).mean().item()
+        return math.exp(-kl)
 
     def candidate(self, index: int) -> tuple[float, list[torch.Tensor]]:
         """MDS of quantizing `index` on top of Q, and the layer inputs after it (its trajectory)."""
@@ -219,12 +293,12 @@ class _GreedyState:
             hidden = layer(hidden, **self.kwargs)
             trajectory.append(hidden)
         self.layer_forwards += len(self.layers) - index
-        return _cosine(self.output, self.final_norm(hidden)), trajectory
+        return self.similarity(self.model_output(hidden)), trajectory
 
     def commit(self, index: int, trajectory: list[torch.Tensor]) -> None:
         self.quantized.add(index)
         self.inputs[index + 1:] = trajectory
-        self.output = self.final_norm(self.inputs[-1])
+        self.output = self.model_output(self.inputs[-1])
 
 
 @torch.no_grad()
@@ -271,26 +345,35 @@ def profile_lis(model: nn.Module, adapter, calib_ids: torch.Tensor, scheme: Quan
         bar.update(1)
     calibrated_at = time.perf_counter()
 
-    state = _GreedyState(layers, references, final_norm, kwargs_mds, mds_inputs)
+    lm_head = model.get_submodule(adapter.lm_head) if config.mds_metric == "kl" else None
+    state = _GreedyState(layers, references, final_norm, kwargs_mds, mds_inputs, lm_head)
     bar.set_description("LIS: greedy selection")
     stale: dict[int, float] = {}
     steps: list[LisStep] = []
-    lis_of = lambda j, mds: config.alpha1 * lts[j] + config.alpha2 * lrs[j] + config.beta * mds  # noqa: E731
+    normalization = {"lts": list(term_scale(lts, config.normalize)), "lrs": list(term_scale(lrs, config.normalize))}
+    first_mds: list[float] = []
     for step in range(num_layers):
         candidates = [j for j in range(num_layers) if j not in state.quantized]
         # Highest stale LIS first; ties (and the first step) by layer index, so the order is deterministic.
         candidates.sort(key=lambda j: (-stale.get(j, float("inf")), j))
         exhaustive = config.refresh == 0 or step == 0
         best = None  # (lis, layer, mds, trajectory)
+        if step == 0:
+            # Every layer is scored once with Q empty; their MDS spread fixes the MDS map for the whole run.
+            # Only the MDS is kept (30 trajectories would not fit in memory); the winner's is recomputed.
+            first_mds = [state.candidate(j)[0] for j in range(num_layers)]
+            normalization["mds"] = list(term_scale(first_mds, config.normalize))
         for rank, j in enumerate(candidates):
             if not exhaustive and best is not None:
                 if rank >= config.refresh or best[0] >= stale[j]:
                     break
-            mds, trajectory = state.candidate(j)
-            stale[j] = lis_of(j, mds)
+            mds, trajectory = (first_mds[j], None) if step == 0 else state.candidate(j)
+            stale[j] = lis_score(config, normalization, lts[j], lrs[j], mds)
             if best is None or stale[j] > best[0]:
                 best = (stale[j], j, mds, trajectory)
         lis, chosen, mds, trajectory = best
+        if trajectory is None:
+            trajectory = state.candidate(chosen)[1]
         state.commit(chosen, trajectory)
         stale.pop(chosen)
         steps.append(LisStep(step=step, layer=chosen, lts=lts[chosen], lrs=lrs[chosen], mds=mds, lis=lis))
@@ -301,6 +384,7 @@ def profile_lis(model: nn.Module, adapter, calib_ids: torch.Tensor, scheme: Quan
     profile = LisProfile(
         model_id=model_id, config_hash=config_hash(model.config), num_layers=num_layers, scheme=scheme,
         config=config, order=[s.layer for s in steps], steps=steps, lts=lts, lrs=lrs, calib_file=calib_file,
+        normalization=normalization, first_mds=first_mds,
         timings={"quantize_and_local_s": round(calibrated_at - started, 3),
                  "greedy_s": round(finished - calibrated_at, 3), "total_s": round(finished - started, 3),
                  "greedy_layer_forwards": state.layer_forwards})

@@ -72,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha1", type=float, default=0.25, help="LIS weight of LTS (MorphServe eq. 5)")
     parser.add_argument("--alpha2", type=float, default=0.25, help="LIS weight of LRS (MorphServe eq. 5)")
     parser.add_argument("--beta", type=float, default=0.5, help="LIS weight of MDS (MorphServe eq. 5)")
+    parser.add_argument("--normalize", default="none", choices=["minmax", "zscore", "none"],
+                        help="scale LTS, LRS and MDS by their spread over the layers before weighting (minmax: "
+                             "to [0, 1]; zscore: by the standard deviation; none: the raw cosines of eq. 5, where "
+                             "the widely spread LTS outweighs MDS whatever the weights)")
+    parser.add_argument("--mds-metric", default="cosine", choices=["cosine", "kl"],
+                        help="MDS similarity: cosine of the final normed hidden states, or kl: exp(-KL) between "
+                             "the next-token distributions with and without the candidate quantized (costs the "
+                             "LM head per candidate)")
     parser.add_argument("--mds-samples", type=int, default=2,
                         help="calibration sequences used for the greedy MDS (the costly part); LTS/LRS/AWQ use all")
     parser.add_argument("--refresh", type=int, default=3,
@@ -165,7 +173,8 @@ def run(args) -> int:
 def _run(args) -> int:
     scheme = QuantScheme.create(args.quant, args.group_size, args.method)
     lis_config = LisConfig(alpha1=args.alpha1, alpha2=args.alpha2, beta=args.beta, samples=args.samples,
-                           seq_len=args.seq_len, seed=args.seed, mds_samples=args.mds_samples, refresh=args.refresh)
+                           seq_len=args.seq_len, seed=args.seed, mds_samples=args.mds_samples, refresh=args.refresh,
+                           normalize=args.normalize, mds_metric=args.mds_metric)
     awq_config = AwqConfig(num_grid=args.awq_grid, seed=args.seed)
     if args.profile and not args.evaluate:
         raise ValueError("--profile only makes sense with --evaluate")
@@ -206,7 +215,10 @@ def _run(args) -> int:
         print(f"loaded LIS profile {args.profile} ({scheme.name}): order {profile.order}")
     else:
         print(f"profiling {resolved.model_id}: {len(layers)} layers, {scheme.name}, calibration "
-              f"{lis_config.samples} x {lis_config.seq_len} tokens from {calib_path}")
+              f"{lis_config.samples} x {lis_config.seq_len} tokens from {calib_path}, LIS weights "
+              f"{lis_config.alpha1}/{lis_config.alpha2}/{lis_config.beta} on "
+              + ("raw" if lis_config.normalize == "none" else f"{lis_config.normalize}-normalised")
+              + f" terms, MDS by {lis_config.mds_metric}")
         result = profile_lis(model, adapter, calib_ids, scheme, lis_config, awq_config, resolved.model_id,
                              str(calib_path), progress=not args.no_progress, prebuilt=prebuilt)
         profile = result.profile

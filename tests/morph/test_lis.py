@@ -3,6 +3,7 @@ profile JSON (round trip and validation against a model config), the fallback or
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 from elastic_hf.layers.quant_scheme import QuantScheme
 from elastic_hf.morph.lis import (LisConfig, calibration_batch, config_hash, fallback_order, load_profile,
-                                  profile_lis)
+                                  profile_lis, term_scale)
 from elastic_hf.morph.perplexity import swapped_layers
 from elastic_hf.patches import get_adapter
 
@@ -52,10 +53,10 @@ def test_calibration_windows_depend_on_seed():
 
 def test_cached_greedy_matches_full_model_recomputation(profiled):
     """Every step's MDS must equal cos(f^(Q), f^(Q+p)) computed by running the whole model from scratch, and
-    LIS must be the configured weighted sum (the prefix cache must not change any number)."""
+    LIS must be the configured weighted sum of the normalised terms (the prefix cache must not change any
+    number)."""
     model, result, calib_ids = profiled
     adapter = get_adapter(model.config)
-    config = result.profile.config
 
     def final_hidden(quantized):
         with swapped_layers(model, adapter, {i: result.references[i] for i in quantized}), torch.no_grad():
@@ -67,14 +68,75 @@ def test_cached_greedy_matches_full_model_recomputation(profiled):
         after = final_hidden(quantized + [step.layer])
         expected_mds = F.cosine_similarity(before, after, dim=-1).mean().item()
         assert step.mds == pytest.approx(expected_mds, abs=2e-5)
-        assert step.lis == pytest.approx(config.alpha1 * step.lts + config.alpha2 * step.lrs + config.beta * step.mds)
+        assert step.lis == pytest.approx(result.profile.lis(step.lts, step.lrs, step.mds))
         # exact greedy: no other remaining candidate scores higher
         for other in set(range(4)) - set(quantized) - {step.layer}:
             mds = F.cosine_similarity(before, final_hidden(quantized + [other]), dim=-1).mean().item()
-            lis = (config.alpha1 * result.profile.lts[other] + config.alpha2 * result.profile.lrs[other]
-                   + config.beta * mds)
+            lis = result.profile.lis(result.profile.lts[other], result.profile.lrs[other], mds)
             assert lis <= step.lis + 1e-6
         quantized.append(step.layer)
+
+
+def test_term_scale():
+    values = [0.5, 1.0, 2.0, 4.5]
+    assert term_scale(values, "minmax") == (0.5, 4.0)
+    center, scale = term_scale(values, "zscore")
+    assert center == pytest.approx(2.0) and scale == pytest.approx(torch.tensor(values).std(unbiased=False).item())
+    assert term_scale(values, "none") == (0.0, 1.0)
+    assert term_scale([0.7, 0.7], "minmax") == (0.7, 1.0)  # constant term: no division by zero
+
+
+def test_normalised_lis_weights_every_term_by_its_spread(tiny_llama, profiled, tmp_path):
+    """minmax maps LTS/LRS over all layers and MDS over the first (exhaustive) step to [0, 1] before weighting:
+    the map is stored, step 1's winner maximises the normalised sum, and normalize="none" is the raw eq. 5."""
+    model, _, _ = profiled
+    result, _ = _profile(model, normalize="minmax")
+    profile = result.profile
+    lts, lrs, first_mds = profile.lts, profile.lrs, profile.first_mds
+    assert len(first_mds) == 4 and first_mds[profile.order[0]] == profile.steps[0].mds
+    assert profile.normalization == {"lts": [min(lts), max(lts) - min(lts)], "lrs": [min(lrs), max(lrs) - min(lrs)],
+                                     "mds": [min(first_mds), max(first_mds) - min(first_mds)]}
+    normalised = [0.25 * (lts[j] - min(lts)) / (max(lts) - min(lts))
+                  + 0.25 * (lrs[j] - min(lrs)) / (max(lrs) - min(lrs))
+                  + 0.5 * (first_mds[j] - min(first_mds)) / (max(first_mds) - min(first_mds)) for j in range(4)]
+    assert profile.order[0] == max(range(4), key=normalised.__getitem__)
+    assert profile.steps[0].lis == pytest.approx(max(normalised))
+    assert 0.0 <= profile.steps[0].lis <= 1.0
+    profile.save(tmp_path / "minmax.json")
+    loaded = load_profile(tmp_path / "minmax.json", model.config)
+    assert loaded.config.normalize == "minmax" and loaded.normalization == profile.normalization
+    assert [loaded.lis(s.lts, s.lrs, s.mds) for s in loaded.steps] == pytest.approx([s.lis for s in profile.steps])
+
+    raw, _ = profiled[1], None
+    assert raw.profile.config.normalize == "none"  # the default: eq. 5 on the raw cosines
+    assert raw.profile.normalization == {"lts": [0.0, 1.0], "lrs": [0.0, 1.0], "mds": [0.0, 1.0]}
+    assert raw.profile.first_mds == pytest.approx(first_mds, abs=1e-6)
+    for step in raw.profile.steps:
+        assert step.lis == pytest.approx(0.25 * step.lts + 0.25 * step.lrs + 0.5 * step.mds)
+    # a term with weight 1 alone decides step 1 under either normalisation (the map is monotone)
+    only_mds, _ = _profile(model, alpha1=0.0, alpha2=0.0, beta=1.0)
+    assert only_mds.profile.order[0] == max(range(4), key=first_mds.__getitem__)
+
+
+def test_kl_mds_is_exp_minus_kl_of_next_token_distributions(tiny_llama, profiled):
+    """mds_metric="kl": MDS = exp(-KL(p_Q || p_Q+p)) of the full model's next-token distributions, per token,
+    averaged; checked against whole-model runs for the first two greedy steps."""
+    model, _, calib_ids = profiled
+    adapter = get_adapter(model.config)
+    result, _ = _profile(model, mds_metric="kl")
+    assert result.profile.config.mds_metric == "kl"
+
+    def log_probs(quantized):
+        with swapped_layers(model, adapter, {i: result.references[i] for i in quantized}), torch.no_grad():
+            return model(calib_ids).logits.float().log_softmax(-1)
+
+    quantized: list[int] = []
+    for step in result.profile.steps[:2]:
+        before, after = log_probs(quantized), log_probs(quantized + [step.layer])
+        kl = (before.exp() * (before - after)).sum(-1).mean().item()
+        assert step.mds == pytest.approx(math.exp(-kl), abs=2e-5)
+        quantized.append(step.layer)
+    assert all(0.0 < m <= 1.0 + 1e-6 for m in result.profile.first_mds)
 
 
 def test_lts_and_lrs_are_cosines_of_layer_io(profiled):
@@ -106,8 +168,11 @@ def test_profile_json_roundtrip_and_validation(tiny_llama, profiled, tmp_path):
         assert key in data
     assert data["quant_scheme"]["group_size"] == 32
     assert {"lts", "lrs", "mds", "lis", "layer"} <= set(data["steps"][0])
+    assert data["normalize"] == "none" and set(data["normalization"]) == {"lts", "lrs", "mds"}
     loaded = load_profile(path, model.config)
     assert loaded.order == result.profile.order and loaded.scheme == SCHEME
+    assert loaded.config.normalize == "none" and loaded.normalization == result.profile.normalization
+    assert [loaded.lis(s.lts, s.lrs, s.mds) for s in loaded.steps] == [s.lis for s in loaded.steps]
 
     other = tiny_llama(num_layers=5)
     with pytest.raises(ValueError, match=r"4-layer model; this model has 5 layers"):
@@ -135,5 +200,9 @@ def test_bad_arguments():
         LisConfig(beta=1.5)
     with pytest.raises(ValueError, match=r"refresh=-1"):
         LisConfig(refresh=-1)
+    with pytest.raises(ValueError, match=r"normalize='l2' is not one of minmax, zscore, none"):
+        LisConfig(normalize="l2")
+    with pytest.raises(ValueError, match=r"mds_metric='l2' is not one of cosine, kl"):
+        LisConfig(mds_metric="l2")
     with pytest.raises(ValueError, match=r"100 tokens: 3 windows of seq_len=32, but samples=8"):
         calibration_batch(torch.arange(100), 8, 32, 0)
