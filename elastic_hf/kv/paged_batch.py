@@ -51,6 +51,14 @@ def _k_rows(pool: KVPagePool, block_table: torch.Tensor, positions: torch.Tensor
     return token_rows[:, None, :] + head_offsets[None, :, None]
 
 
+def is_batched_decode(num_computed: int, num_new_tokens: int, sliding_window: int | None) -> bool:
+    """True for a sequence that joins the batched decode call: one new token and no sliding window cutting its
+    context (a windowed sequence needs its own mask and attends like a prefill). Callers pack these sequences
+    first so they form one contiguous slice of the batch."""
+    windowed = sliding_window is not None and num_computed + num_new_tokens > sliding_window
+    return num_new_tokens == 1 and not windowed
+
+
 def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
                       sliding_window: int | None = None) -> PagedBatch:
     """seqs: (num_computed_before, num_new_tokens, block_ids) per sequence, in packed order. Index math runs on
@@ -69,7 +77,7 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
         new_positions.extend(positions)
         new_blocks.extend(block_ids[p // block_size] for p in positions)
         windowed = sliding_window is not None and ctx_len > sliding_window
-        if num_new == 1 and not windowed:
+        if is_batched_decode(num_computed, num_new, sliding_window):
             decode_rows.append(row)
             decode_tables.append(block_ids)
             decode_lens.append(ctx_len)

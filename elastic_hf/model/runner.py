@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from elastic_hf.kv.page_pool import KVPagePool
-from elastic_hf.kv.paged_batch import build_paged_batch
+from elastic_hf.kv.paged_batch import build_paged_batch, is_batched_decode
 
 
 @dataclass(slots=True)
@@ -31,7 +31,8 @@ class ModelRunner:
         """Returns logits [num_sampling_seqs, vocab] (fp32) in the order of the inputs that need logits."""
         # Decodes go first in the packed batch: their rows are then one contiguous slice, which the attention
         # reads and writes as views instead of gathers and scatters.
-        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].token_ids) != 1)
+        order = sorted(range(len(inputs)), key=lambda i: not is_batched_decode(
+            inputs[i].num_computed, len(inputs[i].token_ids), self.sliding_window))
         input_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
@@ -53,9 +54,7 @@ class ModelRunner:
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, paged_batch=batch)
         logits = out.logits[0].float()  # [num_sampling_seqs, vocab] in packed order
         if logit_owner != sorted(logit_owner):
-            # Back to the callers' order: row r belongs to inputs[logit_owner[r]].
-            rank = {owner: r for r, owner in enumerate(sorted(logit_owner))}
-            inverse = torch.empty(len(logit_owner), dtype=torch.long)
-            inverse[torch.tensor([rank[o] for o in logit_owner])] = torch.arange(len(logit_owner))
-            logits = logits.index_select(0, inverse)
+            # Back to the callers' order: row r belongs to inputs[logit_owner[r]], so sort rows by owner.
+            back = sorted(range(len(logit_owner)), key=logit_owner.__getitem__)
+            logits = logits.index_select(0, torch.tensor(back, device=logits.device))
         return logits

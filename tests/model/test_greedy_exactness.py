@@ -51,3 +51,15 @@ def test_tiny_model_under_forced_preemption(tiny_checkpoint):
 def test_default_model_matches_hf(default_model, default_reference):
     prompts = mixed_prompts(default_model.tokenizer, 8, 5, 120, seed=3)
     _check(default_model, default_reference, prompts)
+
+
+def test_windowed_decode_between_plain_decodes_matches_hf(tiny_checkpoint):
+    """Mistral's 24-token window: a sequence past the window decodes with its own mask while shorter neighbours
+    share the batched decode call; the packing must keep those neighbours contiguous."""
+    from elastic_hf.model.loader import load_hf_model
+
+    path = tiny_checkpoint("mistral")
+    reference, _ = load_hf_model(path)
+    model = ElasticModel.from_pretrained(path, kv_cache_memory=16 << 20)
+    prompts = [list(range(100, 105)), list(range(200, 240)), list(range(300, 305))]
+    _check(model, reference, prompts, max_new=8)
