@@ -9,6 +9,7 @@ from elastic_hf.engine.tp_policy import TPPolicy, TPPolicyConfig
 from elastic_hf.model.loader import load_hf_model
 from elastic_hf.parallel.deployment import Deployment, ReshapeAborted
 from elastic_hf.parallel.worker import RESHAPE_STAGES
+from deployment_steps import run_steps
 from greedy_reference import hf_greedy, mixed_prompts
 
 MAX_NEW = 24
@@ -32,14 +33,6 @@ def _submit(dep, prompts):
     return [dep.add_request(p, params) for p in prompts]
 
 
-def _run(dep, ids, done, num_steps=None):
-    steps = 0
-    while len(done) < len(ids) and (num_steps is None or steps < num_steps):
-        for out in dep.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        steps += 1
-    return done
 
 
 def _by_worker(dep, key):
@@ -61,7 +54,7 @@ def test_decoding_across_scale_up_and_down_is_exact_without_recompute(setup):
     assert str(dep.topology) == "[1,1]"
     prompt_tokens_before = dep.stats()["num_computed_prompt_tokens"]
     ids = _submit(dep, prompts)
-    done = _run(dep, ids, {}, num_steps=3)
+    done = run_steps(dep, ids, {}, num_steps=3)
     running = sum(len(i.engine.scheduler.running) for i in dep.instances)
     assert running >= 4 and not done
     weights_tp1 = _by_worker(dep, "weights_bytes")
@@ -80,11 +73,11 @@ def test_decoding_across_scale_up_and_down_is_exact_without_recompute(setup):
         assert stats["kv"]["sent_bytes"] > 0 and stats["kv"]["received_bytes"] > 0
         assert stats["kv"]["peak_extra_bytes"] > 0
 
-    _run(dep, ids, done, num_steps=4)
+    run_steps(dep, ids, done, num_steps=4)
     down = dep.reshape([1, 1])
     assert down.committed and [i.tp for i in dep.instances] == [1, 1]
     assert _by_worker(dep, "weights_bytes") == weights_tp1  # every shard page is back
-    _run(dep, ids, done)
+    run_steps(dep, ids, done)
     assert [done[r] for r in ids] == expected
     stats = dep.stats()
     assert stats["num_preemptions"] == 0
@@ -99,7 +92,7 @@ def test_failure_before_commit_rolls_back(setup, stage):
     dep, prompts, expected, _ = setup
     assert str(dep.topology) == "[1,1]"
     ids = _submit(dep, prompts[:4])
-    done = _run(dep, ids, {}, num_steps=5)
+    done = run_steps(dep, ids, {}, num_steps=5)
     before = dep.memory_report()
     dep.call(1, "arm_fault", stage)
     with pytest.raises(ReshapeAborted, match=stage):
@@ -109,27 +102,27 @@ def test_failure_before_commit_rolls_back(setup, stage):
     for b, a in zip(before, after):
         assert (a["weights_bytes"], a["kv_bytes"], a["kv_blocks"]) == (b["weights_bytes"], b["kv_bytes"],
                                                                       b["kv_blocks"])
-    _run(dep, ids, done)
+    run_steps(dep, ids, done)
     assert [done[r] for r in ids] == expected[:4]
 
 
 def test_worker_killed_before_commit_is_replaced_and_old_topology_serves(setup):
     dep, prompts, expected, _ = setup
     ids = _submit(dep, prompts[:4])
-    done = _run(dep, ids, {}, num_steps=5)
+    done = run_steps(dep, ids, {}, num_steps=5)
     old_pid = dep.call(1, "ping")
     dep.call(1, "arm_fault", "kv_migrate", True)
     with pytest.raises(ReshapeAborted, match="died"):
         dep.reshape([2])
     assert str(dep.topology) == "[1,1]" and dep.call(1, "ping") != old_pid
-    _run(dep, ids, done)
+    run_steps(dep, ids, done)
     assert [done[r] for r in ids] == expected[:4]  # worker 1's requests were recomputed, none was lost
 
 
 def test_worker_killed_after_commit_is_replaced_with_its_shard(setup):
     dep, prompts, expected, _ = setup
     ids = _submit(dep, prompts[:4])
-    done = _run(dep, ids, {}, num_steps=5)
+    done = run_steps(dep, ids, {}, num_steps=5)
     dep.call(1, "arm_fault", "committed", True)
     recoveries = dep.num_recoveries
     dep.reshape([2])  # worker 1 dies right after its commit: the new topology stands, worker 1 is replaced
@@ -137,7 +130,7 @@ def test_worker_killed_after_commit_is_replaced_with_its_shard(setup):
     report = dep.memory_report()[1]
     assert report["topology"] == "[2]" and report["weights_bytes"] == dep.call(1, "shard_bytes", 2, 1)
     assert report["weights_bytes"] < dep.call(1, "shard_bytes", 1, 0)  # only its shard came back
-    _run(dep, ids, done)
+    run_steps(dep, ids, done)
     assert [done[r] for r in ids] == expected[:4]
     dep.reshape([1, 1])
 
@@ -151,7 +144,7 @@ def test_elastic_policy_merges_for_a_long_request_and_splits_back(setup):
     dep.policy = TPPolicy(TPPolicyConfig("elastic", "elastic"), dep.degrees)
     try:
         first = _submit(dep, prompts[:2])
-        done = _run(dep, first, {}, num_steps=2)
+        done = run_steps(dep, first, {}, num_steps=2)
         num_reshapes = len(dep.reshapes)
         long_id = _submit(dep, [long_prompt])[0]  # no instance holds it: merge [1,1] -> [2] first
         assert str(dep.topology) == "[2]" and len(dep.reshapes) == num_reshapes + 1
@@ -179,13 +172,13 @@ def test_scale_down_gathers_weight_chunks_from_peers(setup):
     dep, prompts, expected, _ = setup
     dep.reshape([2])
     ids = _submit(dep, prompts[:4])
-    done = _run(dep, ids, {}, num_steps=6)
+    done = run_steps(dep, ids, {}, num_steps=6)
     down = dep.reshape([1, 1], weights_source="peers")
     for w, stats in enumerate(down.worker_stats):
         assert stats["gather"]["gathered_bytes"] > 0 and stats["gather"]["sent_bytes"] > 0
         assert stats["weights_last"][0] == 0  # nothing read from the host store
     assert [r["weights_bytes"] for r in dep.memory_report()] == [dep.call(w, "shard_bytes", 1, 0) for w in (0, 1)]
-    _run(dep, ids, done)
+    run_steps(dep, ids, done)
     assert [done[r] for r in ids] == expected[:4]
     with pytest.raises(ValueError, match="weights_source"):
         dep.reshape([2], weights_source="disk")
@@ -197,19 +190,19 @@ def test_standby_and_wake_up_keep_requests_exact(setup):
     assert str(dep.topology) == "[1,1]"
     prompt_tokens_before = dep.stats()["num_computed_prompt_tokens"]
     ids = _submit(dep, prompts[:3])
-    done = _run(dep, ids, {}, num_steps=4)
+    done = run_steps(dep, ids, {}, num_steps=4)
     pid = dep.call(1, "ping")
     down = dep.reshape([1])  # worker 1 hands its requests' KV to worker 0's pool and goes to standby
     assert down.committed and [i.workers for i in dep.instances] == [(0,)]
     standby = dep.memory_report()[1]
     assert standby["kv_blocks"] == 0 and standby["kv_bytes"] == 0
     assert standby["weights_bytes"] == dep.call(1, "info")["replicated_weights_bytes"]  # its shard went back
-    _run(dep, ids, done, num_steps=3)
+    run_steps(dep, ids, done, num_steps=3)
     up = dep.reshape([2])    # wake-up in the same process: shard from the host store, KV by head range
     assert up.committed and dep.call(1, "ping") == pid
-    _run(dep, ids, done, num_steps=3)
+    run_steps(dep, ids, done, num_steps=3)
     dep.reshape([1, 1])
-    _run(dep, ids, done)
+    run_steps(dep, ids, done)
     assert [done[r] for r in ids] == expected[:3]
     assert dep.stats()["num_computed_prompt_tokens"] - prompt_tokens_before == sum(len(p) for p in prompts[:3])
 

@@ -4,6 +4,7 @@ import pytest
 
 from elastic_hf.model.loader import load_hf_model
 from elastic_hf.parallel.deployment import Deployment
+from deployment_steps import run_steps
 from greedy_reference import hf_greedy, mixed_prompts
 
 MAX_NEW = 12
@@ -38,21 +39,11 @@ def test_tp4_and_tp2_plus_two_tp1_match_hf_across_reshapes(tp_checkpoint):
     with Deployment(str(path), num_workers=4, kv_cache_memory=2 << 20) as dep:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
         ids = [dep.add_request(p, params) for p in prompts]
-        done = {}
-
-        def run(num_steps=None):
-            steps = 0
-            while len(done) < len(ids) and (num_steps is None or steps < num_steps):
-                for out in dep.step():
-                    if out.finished:
-                        done[out.request_id] = out.outputs[0].token_ids
-                steps += 1
-
-        run(3)
+        done = run_steps(dep, ids, {}, num_steps=3)
         assert dep.reshape([4]).committed and [i.tp for i in dep.instances] == [4]
-        run(3)
+        run_steps(dep, ids, done, num_steps=3)
         assert dep.reshape([2, 1, 1]).committed and [i.tp for i in dep.instances] == [2, 1, 1]
-        run()
+        run_steps(dep, ids, done)
         assert [done[r] for r in ids] == [hf_greedy(reference, p, MAX_NEW) for p in prompts]
         assert dep.stats()["num_computed_prompt_tokens"] == sum(len(p) for p in prompts)  # no re-prefill
 
