@@ -47,6 +47,14 @@ def _unique_params(module: nn.Module, exclude: set[int]) -> list[nn.Parameter]:
     return params
 
 
+def _param_groups(model: nn.Module, layers: nn.ModuleList) -> tuple[list[nn.Parameter], list[list[nn.Parameter]]]:
+    """(shared params, params of each decoder layer), each parameter once: the layers claim theirs first, the
+    shared range gets what is left (embeddings, final norm, LM head if untied)."""
+    seen: set[int] = set()
+    layer_params = [_unique_params(layer, seen) for layer in layers]
+    return _unique_params(model, seen), layer_params
+
+
 def _aligned(nbytes: int, alignment: int = 64) -> int:
     return -(-nbytes // alignment) * alignment
 
@@ -67,9 +75,7 @@ def weights_capacity_bytes(model: nn.Module, layers: nn.ModuleList, page_size: i
                            slot_bytes: list[dict[str, int]] | None = None) -> int:
     """Arena bytes needed: the shared range plus, per layer, its quant slots and its page-rounded fp region.
     slot_bytes[i] maps a precision name to the payload bytes of layer i's variant."""
-    seen: set[int] = set()
-    layer_params = [_unique_params(layer, seen) for layer in layers]
-    shared_params = _unique_params(model, seen)
+    shared_params, layer_params = _param_groups(model, layers)
     total = _round_up(_range_bytes(shared_params), page_size)
     for i, params in enumerate(layer_params):
         total += _slot_extent(slot_bytes[i] if slot_bytes else None, page_size)
@@ -95,9 +101,7 @@ def place_weights(model: nn.Module, layers: nn.ModuleList, arena: PageArena,
                   slot_bytes: list[dict[str, int]] | None = None) -> WeightPlacement:
     if slot_bytes is not None and len(slot_bytes) != len(layers):
         raise ValueError(f"slot_bytes has {len(slot_bytes)} entries for {len(layers)} decoder layers")
-    seen: set[int] = set()
-    layer_params = [_unique_params(layer, seen) for layer in layers]
-    shared_params = _unique_params(model, seen)  # what is left: embeddings, final norm, LM head if untied
+    shared_params, layer_params = _param_groups(model, layers)
     shared = _place(shared_params, arena, 0)
     placement = WeightPlacement(shared)
     offset = shared.nbytes
