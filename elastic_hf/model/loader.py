@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +67,10 @@ def convert_gguf(gguf_path: Path) -> Path:
     model.hf_quantizer = None
     model.save_pretrained(tmp_dir)
     tokenizer.save_pretrained(tmp_dir)
-    tmp_dir.rename(out_dir) if not out_dir.exists() else None
+    if out_dir.exists():  # another process finished the same conversion first: keep its copy
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    else:
+        tmp_dir.rename(out_dir)
     return out_dir
 
 
