@@ -45,9 +45,23 @@ class KVLayout:
     @property
     def block_bytes(self) -> int:
         """Bytes a block occupies in the arena: padded to whole pages so a block commits/decommits alone, and to
-        whole head_dim rows so the arena can be indexed as one [rows, head_dim] matrix."""
-        unit = math.lcm(self.page_size, self.head_dim * self.itemsize)
+        whole chunks (one [block_size, head_dim] K or V slab) so the arena can be indexed as one
+        [chunks, block_size, head_dim] tensor (and so also as [rows, head_dim])."""
+        unit = math.lcm(self.page_size, self.chunk_bytes)
         return -(-self.block_payload_bytes // unit) * unit
+
+    @property
+    def chunk_bytes(self) -> int:
+        """One (layer, kv head, K or V) slab of a block: [block_size, head_dim], contiguous."""
+        return self.block_size * self.head_dim * self.itemsize
+
+    @property
+    def chunks_per_block(self) -> int:
+        return self.block_bytes // self.chunk_bytes
+
+    @property
+    def chunks_per_layer(self) -> int:
+        return self.num_kv_heads * 2
 
     @property
     def rows_per_block(self) -> int:

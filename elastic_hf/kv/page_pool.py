@@ -26,6 +26,9 @@ class KVPagePool:
         # [max_blocks * rows_per_block, head_dim]: every (block, layer, head, K/V, token) is one row, so writes and
         # gathers are single index_copy_/index_select calls with precomputed row ids.
         self.rows = self._base.view(max_blocks * layout.rows_per_block, layout.head_dim)
+        # [max_blocks * chunks_per_block, block_size, head_dim]: the same memory as whole K or V slabs of a block,
+        # so a decode gathers a sequence's context with one index per block instead of one per token.
+        self.chunks = self._base.view(max_blocks * layout.chunks_per_block, layout.block_size, layout.head_dim)
         self.attach_blocks(num_initial_blocks)
 
     def _layer_view(self, layer_idx: int) -> torch.Tensor:

@@ -24,12 +24,16 @@ class PrefillSlice:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """All sequences with exactly one new token, attended in one batched call over padded contexts."""
+    """All sequences with exactly one new token, attended in one batched call over contexts padded to whole
+    blocks. Their K/V is gathered by chunk (one [block_size, head_dim] slab of one layer, head and K/V), see
+    KVPagePool.chunks."""
     first_row: int                     # decodes occupy rows [first_row, first_row + num_seqs) of the batch
-    k_rows: torch.Tensor               # [num_decodes * kv_heads * max_ctx] K rows (layer 0)
+    chunk_ids: torch.Tensor            # [num_seqs * kv_heads * 2 * max_blocks] (layer 0), ordered
+                                       # (seq, kv head, K/V, block): the gather is [seqs, kv_heads, 2, ctx, hd]
     num_seqs: int
-    max_ctx: int
-    mask: torch.Tensor | None          # [num_decodes, 1, 1, max_ctx] bool, None when all lengths are equal
+    ctx_len: int                       # max_blocks * block_size: the padded context every decode attends over
+    score_bias: torch.Tensor | None    # [num_seqs * kv_heads, 1, ctx_len], 0 or -inf (positions past a sequence's
+                                       # length); None when every sequence fills all ctx_len positions
 
 
 @dataclass(slots=True)
@@ -49,6 +53,25 @@ def _k_rows(pool: KVPagePool, block_table: torch.Tensor, positions: torch.Tensor
     token_rows = blocks * lo.rows_per_block + positions % lo.block_size              # [S, L]
     head_offsets = torch.arange(lo.num_kv_heads) * (2 * lo.block_size)               # [kv_heads]
     return token_rows[:, None, :] + head_offsets[None, :, None]
+
+
+def _decode_group(pool: KVPagePool, first_row: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+    lo = pool.layout
+    num_seqs = len(tables)
+    max_blocks = -(-max(lens) // lo.block_size)
+    ctx_len = max_blocks * lo.block_size
+    # Pad tables with the sequence's own first block: padded positions read valid (zeroed or written) memory
+    # and are masked.
+    table = torch.tensor([(t + [t[0]] * max_blocks)[:max_blocks] for t in tables])    # [S, max_blocks]
+    head_kv = torch.arange(lo.chunks_per_layer).view(lo.num_kv_heads, 2)               # [kv_heads, 2]
+    chunk_ids = table[:, None, None, :] * lo.chunks_per_block + head_kv[None, :, :, None]  # [S, kv_heads, 2, nb]
+    score_bias = None
+    if min(lens) != ctx_len:
+        beyond = torch.arange(ctx_len)[None, :] >= torch.tensor(lens)[:, None]         # [S, ctx_len]
+        bias = torch.zeros(num_seqs, ctx_len, dtype=lo.dtype).masked_fill_(beyond, float("-inf"))
+        score_bias = bias[:, None, None, :].expand(num_seqs, lo.num_kv_heads, 1, ctx_len).reshape(
+            num_seqs * lo.num_kv_heads, 1, ctx_len)
+    return DecodeGroup(first_row, chunk_ids.flatten(), num_seqs, ctx_len, score_bias)
 
 
 def is_batched_decode(num_computed: int, num_new_tokens: int, sliding_window: int | None) -> bool:
@@ -102,19 +125,9 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
 
     decodes = None
     if decode_rows:
-        max_ctx = max(decode_lens)
-        max_blocks = -(-max_ctx // block_size)
-        # Pad tables with the sequence's own first block: padded positions read valid memory and are masked.
-        table = torch.tensor([(t + [t[0]] * max_blocks)[:max_blocks] for t in decode_tables])  # [S, max_blocks]
-        positions = torch.arange(max_ctx).expand(len(decode_rows), max_ctx)                     # [S, max_ctx]
-        lens = torch.tensor(decode_lens)
-        mask = None
-        if min(decode_lens) != max_ctx:
-            mask = (positions < lens[:, None])[:, None, None, :]
         if decode_rows != list(range(decode_rows[0], decode_rows[0] + len(decode_rows))):
             raise ValueError(f"decodes must be contiguous in the packed batch, got rows {decode_rows[:8]}...")
-        decodes = DecodeGroup(decode_rows[0], _k_rows(pool, table, positions).flatten(), len(decode_rows),
-                              max_ctx, mask)
+        decodes = _decode_group(pool, decode_rows[0], decode_tables, decode_lens)
     device = pool.rows.device
     if device.type != "cpu":
         write_k_rows = write_k_rows.to(device, non_blocking=True)
@@ -122,6 +135,7 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
             p.k_rows = None if p.k_rows is None else p.k_rows.to(device, non_blocking=True)
             p.mask = None if p.mask is None else p.mask.to(device, non_blocking=True)
         if decodes is not None:
-            decodes.k_rows = decodes.k_rows.to(device, non_blocking=True)
-            decodes.mask = None if decodes.mask is None else decodes.mask.to(device, non_blocking=True)
+            decodes.chunk_ids = decodes.chunk_ids.to(device, non_blocking=True)
+            if decodes.score_bias is not None:
+                decodes.score_bias = decodes.score_bias.to(device, non_blocking=True)
     return PagedBatch(pool, write_k_rows, prefills, decodes, row)

@@ -22,6 +22,7 @@ from elastic_hf.kv.paged_attention import register_paged_attention
 from elastic_hf.memory import (MemoryBudget, create_arena, default_page_size, device_total_bytes, format_bytes,
                                parse_memory_budget)
 from elastic_hf.model.loader import load_hf_model, parse_dtype, resolve_model
+from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.model.runner import ModelRunner
 from elastic_hf.model.weight_placement import place_weights, weights_capacity_bytes
 from elastic_hf.morph.builder import MorphOptions, prepare_morph
@@ -134,6 +135,7 @@ class ElasticModel:
 
         scheduler = Scheduler(SchedulerConfig(engine_options.max_num_seqs, engine_options.max_num_batched_tokens,
                                               engine_options.block_size), kv_pool.allocator)
+        use_onednn_linears(hf_model)  # after any calibration, so profiles and AWQ scales do not depend on it
         runner = ModelRunner(hf_model, kv_pool, getattr(config, "sliding_window", None))
         eos = hf_model.generation_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])

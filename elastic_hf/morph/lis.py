@@ -21,7 +21,10 @@ stale score); later MDS values may fall slightly outside [0, 1]. The maps are st
 
 MDS metric (`mds_metric`): "cosine" (default) compares final normed hidden states as described above; "kl" runs
 the LM head and uses exp(-KL(p_Q || p_Q+p)) of the next-token distributions, per token, averaged (1 = identical,
-like a cosine): closer to what perplexity measures, at about twice the greedy cost on SmolLM2-135M.
+like a cosine): closer to what perplexity measures, at about twice the greedy cost on SmolLM2-135M. "nll" also
+runs the LM head and scores the calibration tokens themselves: exp(NLL_Q - NLL_Q+p), the perplexity ratio
+(1 = no change, > 1 = quantizing p even lowers the calibration perplexity). KL penalises any change of the
+distribution; NLL only the changes that cost likelihood, which is what Table 8 measures on held-out text.
 
 Cosines are per token over the hidden dimension, averaged over all calibration tokens. f(x) is the final
 normed hidden state (the LM head's input) unless mds_metric="kl".
@@ -59,6 +62,7 @@ from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_lay
 
 PROFILE_FORMAT = "elastic-hf-lis-profile/1"
 NORMALIZATIONS = ("minmax", "zscore", "none")
+MDS_METRICS = ("cosine", "kl", "nll")
 # Config fields that do not change the network's function (or are not stable across loads).
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
                          "_attn_implementation", "_attn_implementation_autoset", "use_cache", "output_attentions",
@@ -76,8 +80,9 @@ class LisConfig:
     mds_samples: int = 2       # sequences used for the greedy MDS (<= samples)
     refresh: int = 3           # lazy-greedy re-scorings per step; 0 = re-score all (Algorithm 1 verbatim)
     normalize: str = "none"    # per-term scaling before weighting: minmax, zscore or none (raw eq. 5)
-    mds_metric: str = "cosine" # MDS similarity: cosine of final normed hidden states, or kl: exp(-KL) of the
-                               # next-token distributions (the LM head's output)
+    mds_metric: str = "cosine" # MDS similarity: cosine of final normed hidden states; kl: exp(-KL) of the
+                               # next-token distributions (the LM head's output); nll: exp(NLL_Q - NLL_Q+p) of
+                               # the calibration tokens themselves (the perplexity ratio)
 
     def __post_init__(self):
         for name in ("alpha1", "alpha2", "beta"):
@@ -95,8 +100,8 @@ class LisConfig:
         self.mds_samples = min(self.mds_samples, self.samples)
         if self.refresh < 0:
             raise ValueError(f"refresh={self.refresh} must be >= 0 (0 = re-score every candidate every step)")
-        if self.mds_metric not in ("cosine", "kl"):
-            raise ValueError(f"mds_metric={self.mds_metric!r} is not one of cosine, kl")
+        if self.mds_metric not in MDS_METRICS:
+            raise ValueError(f"mds_metric={self.mds_metric!r} is not one of {', '.join(MDS_METRICS)}")
         if self.normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize={self.normalize!r} is not one of {', '.join(NORMALIZATIONS)}")
 
@@ -261,11 +266,13 @@ class LisResult:
 class _GreedyState:
     """Inputs of every layer under the current quantized set Q, for the MDS sequences."""
 
-    def __init__(self, layers, references, final_norm, kwargs, inputs: list[torch.Tensor], lm_head=None):
+    def __init__(self, layers, references, final_norm, kwargs, inputs: list[torch.Tensor], lm_head=None,
+                 labels: torch.Tensor | None = None):
         self.layers = layers
         self.references = references
         self.final_norm = final_norm
-        self.lm_head = lm_head                    # set: MDS compares next-token distributions (mds_metric="kl")
+        self.lm_head = lm_head                    # set: MDS compares next-token distributions (kl) or NLLs (nll)
+        self.labels = labels                      # [mds_samples, seq_len - 1] next tokens: mds_metric="nll"
         self.kwargs = kwargs
         self.inputs = inputs                      # L + 1 tensors [mds_samples, seq, hidden]
         self.quantized: set[int] = set()
@@ -273,13 +280,22 @@ class _GreedyState:
         self.layer_forwards = 0
 
     def model_output(self, hidden: torch.Tensor) -> torch.Tensor:
-        """f(x): the final normed hidden state [.., hidden], or with lm_head the log-probabilities [.., vocab]."""
+        """f(x): the final normed hidden state [.., hidden]; with lm_head the log-probabilities [.., vocab]; with
+        labels the mean negative log-likelihood of the calibration tokens (a 0-d tensor)."""
         normed = self.final_norm(hidden)
-        return normed if self.lm_head is None else self.lm_head(normed).float().log_softmax(-1)
+        if self.lm_head is None:
+            return normed
+        if self.labels is not None:
+            logits = self.lm_head(normed[:, :-1]).float()                          # [samples, seq - 1, vocab]
+            return F.cross_entropy(logits.flatten(0, 1), self.labels.flatten())
+        return self.lm_head(normed).float().log_softmax(-1)
 
     def similarity(self, output: torch.Tensor) -> float:
         if self.lm_head is None:
             return _cosine(self.output, output)
+        if self.labels is not None:
+            # perplexity ratio ppl_Q / ppl_Q+p: 1 when the candidate changes nothing, > 1 when it even helps
+            return math.exp((self.output - output).item())
         # exp(-KL(p_Q || p_Q+p)), KL per token averaged: 1 for identical distributions, like a cosine
         kl = F.kl_div(output, self.output, log_target=True, reduction="none").sum(-1).mean().item()
         return math.exp(-kl)
@@ -345,8 +361,9 @@ def profile_lis(model: nn.Module, adapter, calib_ids: torch.Tensor, scheme: Quan
         bar.update(1)
     calibrated_at = time.perf_counter()
 
-    lm_head = model.get_submodule(adapter.lm_head) if config.mds_metric == "kl" else None
-    state = _GreedyState(layers, references, final_norm, kwargs_mds, mds_inputs, lm_head)
+    lm_head = model.get_submodule(adapter.lm_head) if config.mds_metric in ("kl", "nll") else None
+    labels = calib_ids[: config.mds_samples, 1:] if config.mds_metric == "nll" else None
+    state = _GreedyState(layers, references, final_norm, kwargs_mds, mds_inputs, lm_head, labels)
     bar.set_description("LIS: greedy selection")
     stale: dict[int, float] = {}
     steps: list[LisStep] = []

@@ -15,7 +15,8 @@ import torch
 from elastic_hf.layers.awq import AwqConfig
 from elastic_hf.layers.quant_scheme import QuantScheme
 from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs, reference_layer
-from elastic_hf.morph.lis import LisConfig, calibration_batch, fallback_order, load_profile, profile_lis
+from elastic_hf.morph.lis import (MDS_METRICS, LisConfig, calibration_batch, fallback_order, load_profile,
+                                 profile_lis)
 from elastic_hf.morph.perplexity import (PerplexityEvaluator, eval_windows, held_out_split, order_sweep,
                                          tokenize_file)
 
@@ -76,10 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scale LTS, LRS and MDS by their spread over the layers before weighting (minmax: "
                              "to [0, 1]; zscore: by the standard deviation; none: the raw cosines of eq. 5, where "
                              "the widely spread LTS outweighs MDS whatever the weights)")
-    parser.add_argument("--mds-metric", default="cosine", choices=["cosine", "kl"],
-                        help="MDS similarity: cosine of the final normed hidden states, or kl: exp(-KL) between "
-                             "the next-token distributions with and without the candidate quantized (costs the "
-                             "LM head per candidate)")
+    parser.add_argument("--mds-metric", default="cosine", choices=list(MDS_METRICS),
+                        help="MDS similarity: cosine of the final normed hidden states; kl: exp(-KL) between "
+                             "the next-token distributions with and without the candidate quantized; nll: the "
+                             "calibration perplexity ratio ppl_Q / ppl_Q+p (kl and nll cost the LM head per "
+                             "candidate)")
     parser.add_argument("--mds-samples", type=int, default=2,
                         help="calibration sequences used for the greedy MDS (the costly part); LTS/LRS/AWQ use all")
     parser.add_argument("--refresh", type=int, default=3,

@@ -68,3 +68,39 @@ def test_layers_do_not_overwrite_each_other():
     assert torch.all(pool.layer(0)[table[0], :, 0, :3] == 1.0)
     assert torch.all(pool.layer(1)[table[0], :, 0, :3] == 2.0)
     assert torch.all(pool.layer(1)[table[0], :, 1, :3] == -2.0)
+
+
+def test_decodes_over_chunk_gather_match_sdpa_for_odd_head_dim_and_equal_lengths():
+    """Blocks are padded to whole [block_size, head_dim] chunks even when a chunk does not divide the page
+    (head_dim 24 -> 384-byte chunks, 4096-byte pages); decodes of equal lengths take the no-bias path."""
+    torch.manual_seed(1)
+    head_dim, num_layers = 24, 3
+    layout = KVLayout(num_layers, NUM_KV_HEADS, head_dim, BLOCK, torch.float32, 4096)
+    assert layout.block_bytes % layout.chunk_bytes == 0 and layout.block_bytes % 4096 == 0
+    arena = create_arena("cpu", 16 * layout.block_bytes, MemoryBudget(1 << 30), "kv")
+    pool = KVPagePool(layout, arena, 16, 16)
+    layer = _Layer(2)
+    n = 8  # two full blocks: no padded position, so no score bias
+    k_full = [torch.randn(NUM_KV_HEADS, n, head_dim) for _ in range(2)]
+    v_full = [torch.randn(NUM_KV_HEADS, n, head_dim) for _ in range(2)]
+    q_full = [torch.randn(NUM_HEADS, n, head_dim) for _ in range(2)]
+    tables = [pool.allocator.allocate(2) for _ in range(2)]
+
+    def step(chunks):
+        meta = build_paged_batch(pool, [(s, e - s, tables[i]) for i, s, e in chunks])
+        cat = lambda t: torch.cat([t[i][:, s:e] for i, s, e in chunks], dim=1).unsqueeze(0)  # noqa: E731
+        return paged_attention_forward(layer, cat(q_full), cat(k_full), cat(v_full), None, scaling=0.3,
+                                       paged_batch=meta)[0][0], meta
+
+    step([(0, 0, n - 1), (1, 0, n - 1)])
+    out, meta = step([(0, n - 1, n), (1, n - 1, n)])
+    assert meta.decodes is not None and meta.decodes.score_bias is None
+    for i in range(2):
+        ref = F.scaled_dot_product_attention(q_full[i][:, n - 1:], k_full[i], v_full[i], scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(out[i:i + 1], ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    # the chunk view and the row view address the same memory
+    block, head = tables[1][1], 1
+    chunk = block * layout.chunks_per_block + layer.layer_idx * layout.chunks_per_layer + head * 2 + 1  # V
+    row = block * layout.rows_per_block + layer.layer_idx * layout.rows_per_layer + head * 2 * BLOCK + BLOCK
+    assert torch.equal(pool.chunks[chunk], pool.rows[row:row + BLOCK])
+    torch.testing.assert_close(pool.chunks[chunk][:n - BLOCK], v_full[1][head, BLOCK:])

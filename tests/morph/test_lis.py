@@ -193,6 +193,28 @@ def test_fallback_order_is_front_to_back():
     assert fallback_order(5) == [0, 1, 2, 3, 4]
 
 
+def test_nll_mds_is_the_calibration_perplexity_ratio(profiled):
+    """mds_metric="nll": MDS = exp(NLL_Q - NLL_Q+p) of the calibration tokens, checked against whole-model runs
+    for the first two greedy steps; with beta alone the first pick is the layer whose quantization costs the
+    least calibration likelihood."""
+    model, _, calib_ids = profiled
+    adapter = get_adapter(model.config)
+    result, _ = _profile(model, mds_metric="nll")
+
+    def nll(quantized):
+        with swapped_layers(model, adapter, {i: result.references[i] for i in quantized}), torch.no_grad():
+            logits = model(calib_ids).logits.float()[:, :-1]
+            return F.cross_entropy(logits.flatten(0, 1), calib_ids[:, 1:].flatten()).item()
+
+    quantized: list[int] = []
+    for step in result.profile.steps[:2]:
+        assert step.mds == pytest.approx(math.exp(nll(quantized) - nll(quantized + [step.layer])), rel=2e-5)
+        quantized.append(step.layer)
+    only_nll, _ = _profile(model, mds_metric="nll", alpha1=0.0, alpha2=0.0, beta=1.0)
+    singles = [nll([]) - nll([j]) for j in range(4)]
+    assert only_nll.profile.order[0] == max(range(4), key=singles.__getitem__)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"samples=0 must be >= 1"):
         LisConfig(samples=0)
@@ -202,7 +224,7 @@ def test_bad_arguments():
         LisConfig(refresh=-1)
     with pytest.raises(ValueError, match=r"normalize='l2' is not one of minmax, zscore, none"):
         LisConfig(normalize="l2")
-    with pytest.raises(ValueError, match=r"mds_metric='l2' is not one of cosine, kl"):
+    with pytest.raises(ValueError, match=r"mds_metric='l2' is not one of cosine, kl, nll"):
         LisConfig(mds_metric="l2")
     with pytest.raises(ValueError, match=r"100 tokens: 3 windows of seq_len=32, but samples=8"):
         calibration_batch(torch.arange(100), 8, 32, 0)
