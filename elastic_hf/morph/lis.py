@@ -10,24 +10,34 @@ Normalisation (`normalize`): the three cosines live on very different scales. On
 spans 0.02-0.97 across layers while MDS spans 0.9980-0.9996, about 100x less, so with the raw sum the order is
 "highest LTS first" whatever the weights say. With normalize="minmax" each term is mapped to
 [0, 1] by its spread over the layers before weighting, LIS_p = a1 * N(LTS_p) + a2 * N(LRS_p) + b * N(MDS_p),
-so a1/a2/b really are the terms' shares; "zscore" divides by the standard deviation instead; "none" is eq. 5
-on the raw cosines and stays the default: on SmolLM2-135M (W4 g64 AWQ, 8 x 512 held-out tokens) no variant was
-no worse than both front-to-back and random at k = 4, 8 and 16 together (minmax: k = 4 and 8 yes, 16 no;
-minmax with mds_metric="kl": 8 and 16 yes, 4 no). The maps are fixed once: LTS/LRS over all layers, MDS over
+so a1/a2/b really are the terms' shares (the default); "zscore" divides by the standard deviation instead;
+"none" is eq. 5 on the raw cosines. The maps are fixed once: LTS/LRS over all layers, MDS over
 the first greedy step (which scores every layer). A fixed affine map per term keeps the lazy greedy's stale
 scores comparable with fresh ones (renormalising over the remaining candidates every step would change every
 stale score); later MDS values may fall slightly outside [0, 1]. The maps are stored in the profile JSON
 ("normalization"), with every layer's first-step MDS ("first_mds").
 
-MDS metric (`mds_metric`): "cosine" (default) compares final normed hidden states as described above; "kl" runs
-the LM head and uses exp(-KL(p_Q || p_Q+p)) of the next-token distributions, per token, averaged (1 = identical,
-like a cosine): closer to what perplexity measures, at about twice the greedy cost on SmolLM2-135M. "nll" also
-runs the LM head and scores the calibration tokens themselves: exp(NLL_Q - NLL_Q+p), the perplexity ratio
-(1 = no change, > 1 = quantizing p even lowers the calibration perplexity). KL penalises any change of the
-distribution; NLL only the changes that cost likelihood, which is what Table 8 measures on held-out text.
+MDS metric (`mds_metric`): "cosine" compares final normed hidden states as described above; "kl" runs the LM
+head and uses exp(-KL(p_Q || p_Q+p)) of the next-token distributions, per token, averaged (1 = identical, like a
+cosine); "nll" (the default) also runs the LM head and scores the calibration tokens themselves:
+exp(NLL_Q - NLL_Q+p), the perplexity ratio (1 = no change, > 1 = quantizing p even lowers the calibration
+perplexity). KL penalises any change of the distribution, NLL only the changes that cost likelihood, which is what
+Table 8 measures on held-out text.
+
+Measured on SmolLM2-135M (W4 g64 AWQ, calibrated on the first half of wikitext2-valid, perplexity on 32 x 512
+tokens of the second half, fp32 30.78), k = 4 / 8 / 16 quantized layers:
+    front-to-back                 31.37 / 31.79 / 32.43
+    random (mean of 3 orders)     31.21 / 31.91 / 32.86
+    none + cosine (raw eq. 5)     31.33 / 31.76 / 32.45
+    minmax + cosine               31.23 / 31.58 / 32.40
+    minmax + kl                   31.32 / 31.37 / 32.04
+    minmax + nll, 2 MDS sequences 31.21 / 31.38 / 31.86
+    minmax + nll, 4 MDS sequences 30.84 / 31.07 / 31.78   (the default)
+Only the nll variants are no worse than both baselines at every k; 4 sequences make the NLL differences between
+layers stand out of the sampling noise (2 and 4 sequences pick different orders).
 
 Cosines are per token over the hidden dimension, averaged over all calibration tokens. f(x) is the final
-normed hidden state (the LM head's input) unless mds_metric="kl".
+normed hidden state (the LM head's input) unless mds_metric is "kl" or "nll".
 
 Greedy selection (Algorithm 1): Q starts empty; each step scores every layer not in Q and moves the one with the
 highest LIS into Q. Cost control, because a naive implementation runs the whole model per candidate:
@@ -57,6 +67,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from elastic_hf.layers.awq import AwqConfig
+from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.layers.quant_scheme import QuantScheme
 from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs, reference_layer
 
@@ -77,10 +88,10 @@ class LisConfig:
     samples: int = 8           # calibration sequences
     seq_len: int = 512         # tokens per calibration sequence
     seed: int = 0              # picks the calibration windows and the AWQ loss tokens
-    mds_samples: int = 2       # sequences used for the greedy MDS (<= samples)
+    mds_samples: int = 4       # sequences used for the greedy MDS (<= samples)
     refresh: int = 3           # lazy-greedy re-scorings per step; 0 = re-score all (Algorithm 1 verbatim)
-    normalize: str = "none"    # per-term scaling before weighting: minmax, zscore or none (raw eq. 5)
-    mds_metric: str = "cosine" # MDS similarity: cosine of final normed hidden states; kl: exp(-KL) of the
+    normalize: str = "minmax"  # per-term scaling before weighting: minmax, zscore or none (raw eq. 5)
+    mds_metric: str = "nll"    # MDS similarity: cosine of final normed hidden states; kl: exp(-KL) of the
                                # next-token distributions (the LM head's output); nll: exp(NLL_Q - NLL_Q+p) of
                                # the calibration tokens themselves (the perplexity ratio)
 
@@ -300,8 +311,8 @@ class _GreedyState:
         kl = F.kl_div(output, self.output, log_target=True, reduction="none").sum(-1).mean().item()
         return math.exp(-kl)
 
-    def candidate(self, index: int) -> tuple[float, list[torch.Tensor]]:
-        """MDS of quantizing `index` on top of Q, and the layer inputs after it (its trajectory)."""
+    def candidate(self, index: int) -> tuple[float, list[torch.Tensor], torch.Tensor]:
+        """MDS of quantizing `index` on top of Q, the layer inputs after it (its trajectory) and f^(Q u {index})."""
         hidden = self.references[index](self.inputs[index], **self.kwargs)
         trajectory = [hidden]
         for i in range(index + 1, len(self.layers)):
@@ -309,12 +320,14 @@ class _GreedyState:
             hidden = layer(hidden, **self.kwargs)
             trajectory.append(hidden)
         self.layer_forwards += len(self.layers) - index
-        return self.similarity(self.model_output(hidden)), trajectory
+        output = self.model_output(hidden)
+        return self.similarity(output), trajectory, output
 
-    def commit(self, index: int, trajectory: list[torch.Tensor]) -> None:
+    def commit(self, index: int, trajectory: list[torch.Tensor], output: torch.Tensor) -> None:
+        """Move `index` into Q with the trajectory and output its candidate() computed (no LM head re-run)."""
         self.quantized.add(index)
         self.inputs[index + 1:] = trajectory
-        self.output = self.model_output(self.inputs[-1])
+        self.output = output
 
 
 @torch.no_grad()
@@ -361,6 +374,10 @@ def profile_lis(model: nn.Module, adapter, calib_ids: torch.Tensor, scheme: Quan
         bar.update(1)
     calibrated_at = time.perf_counter()
 
+    # The greedy only runs forwards: fp32 linears switch to oneDNN where it is faster (layers/cpu_gemm.py). After
+    # the calibration above, so the AWQ scales and LTS/LRS never depend on the GEMM backend.
+    for module in [model, *references.values()]:
+        use_onednn_linears(module)
     lm_head = model.get_submodule(adapter.lm_head) if config.mds_metric in ("kl", "nll") else None
     labels = calib_ids[: config.mds_samples, 1:] if config.mds_metric == "nll" else None
     state = _GreedyState(layers, references, final_norm, kwargs_mds, mds_inputs, lm_head, labels)
@@ -374,7 +391,7 @@ def profile_lis(model: nn.Module, adapter, calib_ids: torch.Tensor, scheme: Quan
         # Highest stale LIS first; ties (and the first step) by layer index, so the order is deterministic.
         candidates.sort(key=lambda j: (-stale.get(j, float("inf")), j))
         exhaustive = config.refresh == 0 or step == 0
-        best = None  # (lis, layer, mds, trajectory)
+        best = None  # (lis, layer, mds, trajectory, output)
         if step == 0:
             # Every layer is scored once with Q empty; their MDS spread fixes the MDS map for the whole run.
             # Only the MDS is kept (30 trajectories would not fit in memory); the winner's is recomputed.
@@ -384,14 +401,14 @@ def profile_lis(model: nn.Module, adapter, calib_ids: torch.Tensor, scheme: Quan
             if not exhaustive and best is not None:
                 if rank >= config.refresh or best[0] >= stale[j]:
                     break
-            mds, trajectory = (first_mds[j], None) if step == 0 else state.candidate(j)
+            mds, trajectory, output = (first_mds[j], None, None) if step == 0 else state.candidate(j)
             stale[j] = lis_score(config, normalization, lts[j], lrs[j], mds)
             if best is None or stale[j] > best[0]:
-                best = (stale[j], j, mds, trajectory)
-        lis, chosen, mds, trajectory = best
+                best = (stale[j], j, mds, trajectory, output)
+        lis, chosen, mds, trajectory, output = best
         if trajectory is None:
-            trajectory = state.candidate(chosen)[1]
-        state.commit(chosen, trajectory)
+            _, trajectory, output = state.candidate(chosen)
+        state.commit(chosen, trajectory, output)
         stale.pop(chosen)
         steps.append(LisStep(step=step, layer=chosen, lts=lts[chosen], lrs=lrs[chosen], mds=mds, lis=lis))
         bar.update(1)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from elastic_hf.layers.awq import AwqConfig
+from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.layers.quant_scheme import QuantScheme
 from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs, reference_layer
 from elastic_hf.morph.lis import (MDS_METRICS, LisConfig, calibration_batch, fallback_order, load_profile,
@@ -23,6 +24,9 @@ from elastic_hf.morph.perplexity import (PerplexityEvaluator, eval_windows, held
 DEFAULT_DATA_FILE = "wikitext2-valid.txt"
 SWEEP_KS = (0, 1, 2, 4, 8, 16)
 RANDOM_SEEDS = (0, 1, 2)
+
+
+_LIS_DEFAULTS = LisConfig()
 
 
 def find_data_file(name: str = DEFAULT_DATA_FILE) -> Path:
@@ -73,16 +77,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha1", type=float, default=0.25, help="LIS weight of LTS (MorphServe eq. 5)")
     parser.add_argument("--alpha2", type=float, default=0.25, help="LIS weight of LRS (MorphServe eq. 5)")
     parser.add_argument("--beta", type=float, default=0.5, help="LIS weight of MDS (MorphServe eq. 5)")
-    parser.add_argument("--normalize", default="none", choices=["minmax", "zscore", "none"],
+    parser.add_argument("--normalize", default=_LIS_DEFAULTS.normalize, choices=["minmax", "zscore", "none"],
                         help="scale LTS, LRS and MDS by their spread over the layers before weighting (minmax: "
                              "to [0, 1]; zscore: by the standard deviation; none: the raw cosines of eq. 5, where "
                              "the widely spread LTS outweighs MDS whatever the weights)")
-    parser.add_argument("--mds-metric", default="cosine", choices=list(MDS_METRICS),
+    parser.add_argument("--mds-metric", default=_LIS_DEFAULTS.mds_metric, choices=list(MDS_METRICS),
                         help="MDS similarity: cosine of the final normed hidden states; kl: exp(-KL) between "
                              "the next-token distributions with and without the candidate quantized; nll: the "
                              "calibration perplexity ratio ppl_Q / ppl_Q+p (kl and nll cost the LM head per "
                              "candidate)")
-    parser.add_argument("--mds-samples", type=int, default=2,
+    parser.add_argument("--mds-samples", type=int, default=_LIS_DEFAULTS.mds_samples,
                         help="calibration sequences used for the greedy MDS (the costly part); LTS/LRS/AWQ use all")
     parser.add_argument("--refresh", type=int, default=3,
                         help="lazy greedy: candidates re-scored per step after the first (0 = re-score all, "
@@ -243,6 +247,8 @@ def _run(args) -> int:
     if references is None:
         references = _build_variants(model, adapter, scheme, calib_ids, awq_config)
     windows = eval_windows(eval_tokens, args.eval_seq_len, args.eval_windows)
+    for module in [model, *references.values()]:  # forwards only from here: oneDNN where it is faster
+        use_onednn_linears(module)
     evaluator = PerplexityEvaluator(model, adapter, windows)
     num_layers = len(layers)
     ks = sorted({k for k in SWEEP_KS if k < num_layers} | {num_layers})

@@ -47,7 +47,8 @@ def test_profile_writes_json(profiled_checkpoint):
     assert data["quant_scheme"] == {"quant": "w4", "group_size": 32, "method": "awq", "bits": 4}
     assert data["calibration"]["samples"] == 2 and data["calibration"]["seq_len"] == 48
     assert len(data["steps"]) == num_layers and data["timings"]["total_s"] > 0
-    assert data["normalize"] == "none" and len(data["first_mds"]) == num_layers
+    assert data["normalize"] == "minmax" and data["calibration"]["mds_metric"] == "nll"
+    assert len(data["first_mds"]) == num_layers
 
 
 def test_evaluate_with_existing_profile_prints_table_and_plot(profiled_checkpoint, calib_file, tmp_path, capsys):
