@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 MIN_ONEDNN_NUMEL = 576 * 576
@@ -41,6 +42,15 @@ class OneDnnLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [..., in_features] -> [..., out_features]; oneDNN caches one primitive per input shape.
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through oneDNN when the same rule as use_onednn_linears picks it (for linears that are not
+    nn.Linear modules, e.g. a tensor-parallel shard). x: [..., in], weight: [out, in] contiguous -> [..., out]."""
+    if (weight.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == torch.float32
+            and weight.numel() >= MIN_ONEDNN_NUMEL and default_backend() == "onednn" and onednn_available()):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def default_backend() -> str:

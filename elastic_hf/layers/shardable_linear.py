@@ -8,9 +8,9 @@ row:    y = all_reduce(x[..., own in cols] @ W[:, own cols].T) + bias; the weigh
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from elastic_hf.layers.cpu_gemm import fp32_linear
 from elastic_hf.memory.arena import PageArena
 from elastic_hf.parallel.sharding_plan import PaddedLayout, Run
 
@@ -144,7 +144,7 @@ class ShardableLinear(nn.Module):
         if not self._views:
             raise RuntimeError("ShardableLinear has no active shard: call set_shard() after load()")
         if self.mode == "column":
-            outs = [F.linear(x, w, b) for w, b in zip(self._views, self._bias_runs)]  # [..., run_rows] each
+            outs = [fp32_linear(x, w, b) for w, b in zip(self._views, self._bias_runs)]  # [..., run_rows] each
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)          # [..., shard_width]
         if x.shape[-1] != self.shard_width:
             raise ValueError(f"row-parallel input has {x.shape[-1]} columns, shard expects {self.shard_width}")

@@ -14,6 +14,7 @@ import torch
 
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.page_pool import KVPagePool
+from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.memory import MemoryBudget, create_arena
 from elastic_hf.parallel.groups import ProcessGroups, Topology, candidate_topologies
 from elastic_hf.parallel.kv_migration import head_range, migrate_kv
@@ -126,6 +127,7 @@ class Worker:
         self.head_dim = head_dim
         self.num_layers = hf_config.num_hidden_layers
         self.pool: KVPagePool | None = None
+        use_onednn_linears(self.hf_model)  # the replicated LM head; the projections are ShardableLinear
         self.runner = ModelRunner(self.hf_model, None, getattr(hf_config, "sliding_window", None))
         self._txn: dict | None = None
         self._fault: tuple[str, bool] | None = None

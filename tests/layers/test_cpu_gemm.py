@@ -58,3 +58,28 @@ def test_default_model_linears_run_on_onednn(default_model):
             kinds.setdefault(type(module).__name__, set()).add(name.rsplit(".", 1)[-1])
     assert kinds["OneDnnLinear"] == {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
     assert kinds["Linear"] == {"k_proj", "v_proj"}
+
+
+def test_fp32_linear_follows_the_same_rule(monkeypatch):
+    """fp32_linear (tensor-parallel shards) takes oneDNN for the same weights use_onednn_linears switches; the
+    calls are observed, not inferred from timings."""
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class _Spy:
+        def __getattr__(self, name):
+            if name == "_linear_pointwise":
+                return lambda *a: calls.append(a[1].shape) or real(*a)
+            return getattr(torch.ops.mkldnn, name)
+
+    import elastic_hf.layers.cpu_gemm as cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm.torch.ops, "mkldnn", _Spy(), raising=False)
+    x = torch.randn(5, 576)
+    big, small = torch.randn(1536, 576), torch.randn(192, 576)
+    torch.testing.assert_close(cpu_gemm.fp32_linear(x, big), x @ big.t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_gemm.fp32_linear(x, small), x @ small.t(), rtol=1e-5, atol=1e-4)
+    assert calls == [(1536, 576)]
+    monkeypatch.setenv("ELASTIC_HF_CPU_GEMM", "aten")
+    cpu_gemm.fp32_linear(x, big)
+    assert calls == [(1536, 576)]
