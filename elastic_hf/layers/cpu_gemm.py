@@ -36,20 +36,29 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # [..., in_features] -> [..., out_features]; oneDNN caches one primitive per input shape.
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _takes_onednn(weight: torch.Tensor) -> bool:
+    """The size rule above, for a weight the caller already decided to run through oneDNN if it can."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= MIN_ONEDNN_NUMEL
+
+
 class OneDnnLinear(nn.Linear):
     """An nn.Linear whose forward runs oneDNN's fp32 inner-product primitive (any leading dims)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [..., in_features] -> [..., out_features]; oneDNN caches one primitive per input shape.
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return _onednn_linear(x, self.weight, self.bias)
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through oneDNN when the same rule as use_onednn_linears picks it (for linears that are not
     nn.Linear modules, e.g. a tensor-parallel shard). x: [..., in], weight: [out, in] contiguous -> [..., out]."""
-    if (weight.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == torch.float32
-            and weight.numel() >= MIN_ONEDNN_NUMEL and default_backend() == "onednn" and onednn_available()):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if (x.dtype == torch.float32 and _takes_onednn(weight) and default_backend() == "onednn"
+            and onednn_available()):
+        return _onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -60,22 +69,22 @@ def default_backend() -> str:
     return backend
 
 
-def use_onednn_linears(model: nn.Module, backend: str | None = None) -> int:
-    """Switch every plain fp32 CPU nn.Linear of `model` with at least MIN_ONEDNN_NUMEL weight elements to
+def use_onednn_linears(*modules: nn.Module, backend: str | None = None) -> int:
+    """Switch every plain fp32 CPU nn.Linear inside `modules` with at least MIN_ONEDNN_NUMEL weight elements to
     OneDnnLinear, in place (same module object, same Parameters). Returns how many switched; 0 when the
-    backend is "aten", oneDNN is missing, or nothing qualifies (GPU, bf16, quantized or sharded linears)."""
+    backend is "aten", oneDNN is missing, or nothing qualifies (GPU, bf16, quantized, sharded or already switched
+    linears)."""
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"cpu gemm backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "aten" or not onednn_available():
         return 0
     switched = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (type(module) is nn.Linear and weight.device.type == "cpu" and weight.dtype == torch.float32
-                and weight.numel() >= MIN_ONEDNN_NUMEL):
-            # Only forward differs, so a class swap keeps the module's identity for everything that holds it
-            # (the decoder layer, the morph LayerStore's fp variant, the tied embedding).
-            module.__class__ = OneDnnLinear
-            switched += 1
+    for root in modules:
+        for module in root.modules():
+            if type(module) is nn.Linear and _takes_onednn(module.weight):
+                # Only forward differs, so a class swap keeps the module's identity for everything that holds
+                # it (the decoder layer, the morph LayerStore's fp variant, the tied embedding).
+                module.__class__ = OneDnnLinear
+                switched += 1
     return switched

@@ -19,10 +19,10 @@ from elastic_hf.engine.scheduler import Scheduler, SchedulerConfig
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_attention import register_paged_attention
+from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.memory import (MemoryBudget, create_arena, default_page_size, device_total_bytes, format_bytes,
                                parse_memory_budget)
 from elastic_hf.model.loader import load_hf_model, parse_dtype, resolve_model
-from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.model.runner import ModelRunner
 from elastic_hf.model.weight_placement import place_weights, weights_capacity_bytes
 from elastic_hf.morph.builder import MorphOptions, prepare_morph

@@ -376,8 +376,7 @@ def profile_lis(model: nn.Module, adapter, calib_ids: torch.Tensor, scheme: Quan
 
     # The greedy only runs forwards: fp32 linears switch to oneDNN where it is faster (layers/cpu_gemm.py). After
     # the calibration above, so the AWQ scales and LTS/LRS never depend on the GEMM backend.
-    for module in [model, *references.values()]:
-        use_onednn_linears(module)
+    use_onednn_linears(model, *references.values())
     lm_head = model.get_submodule(adapter.lm_head) if config.mds_metric in ("kl", "nll") else None
     labels = calib_ids[: config.mds_samples, 1:] if config.mds_metric == "nll" else None
     state = _GreedyState(layers, references, final_norm, kwargs_mds, mds_inputs, lm_head, labels)

@@ -16,17 +16,15 @@ from elastic_hf.layers.awq import AwqConfig
 from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.layers.quant_scheme import QuantScheme
 from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs, reference_layer
-from elastic_hf.morph.lis import (MDS_METRICS, LisConfig, calibration_batch, fallback_order, load_profile,
-                                 profile_lis)
+from elastic_hf.morph.lis import (MDS_METRICS, NORMALIZATIONS, LisConfig, calibration_batch, fallback_order,
+                                 load_profile, profile_lis)
 from elastic_hf.morph.perplexity import (PerplexityEvaluator, eval_windows, held_out_split, order_sweep,
                                          tokenize_file)
 
 DEFAULT_DATA_FILE = "wikitext2-valid.txt"
 SWEEP_KS = (0, 1, 2, 4, 8, 16)
 RANDOM_SEEDS = (0, 1, 2)
-
-
-_LIS_DEFAULTS = LisConfig()
+_LIS_DEFAULTS = LisConfig()  # the CLI's defaults are the library's
 
 
 def find_data_file(name: str = DEFAULT_DATA_FILE) -> Path:
@@ -77,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha1", type=float, default=0.25, help="LIS weight of LTS (MorphServe eq. 5)")
     parser.add_argument("--alpha2", type=float, default=0.25, help="LIS weight of LRS (MorphServe eq. 5)")
     parser.add_argument("--beta", type=float, default=0.5, help="LIS weight of MDS (MorphServe eq. 5)")
-    parser.add_argument("--normalize", default=_LIS_DEFAULTS.normalize, choices=["minmax", "zscore", "none"],
+    parser.add_argument("--normalize", default=_LIS_DEFAULTS.normalize, choices=list(NORMALIZATIONS),
                         help="scale LTS, LRS and MDS by their spread over the layers before weighting (minmax: "
                              "to [0, 1]; zscore: by the standard deviation; none: the raw cosines of eq. 5, where "
                              "the widely spread LTS outweighs MDS whatever the weights)")
@@ -247,8 +245,7 @@ def _run(args) -> int:
     if references is None:
         references = _build_variants(model, adapter, scheme, calib_ids, awq_config)
     windows = eval_windows(eval_tokens, args.eval_seq_len, args.eval_windows)
-    for module in [model, *references.values()]:  # forwards only from here: oneDNN where it is faster
-        use_onednn_linears(module)
+    use_onednn_linears(model, *references.values())  # forwards only from here: oneDNN where it is faster
     evaluator = PerplexityEvaluator(model, adapter, windows)
     num_layers = len(layers)
     ks = sorted({k for k in SWEEP_KS if k < num_layers} | {num_layers})

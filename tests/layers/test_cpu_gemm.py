@@ -20,7 +20,7 @@ def _model() -> nn.Module:
 def test_switches_only_large_fp32_linears_and_keeps_parameters():
     model = _model()
     params = {name: module.weight for name, module in model.items()}
-    assert use_onednn_linears(model, "onednn") == 2
+    assert use_onednn_linears(model, backend="onednn") == 2
     assert type(model["big"]) is OneDnnLinear and type(model["square"]) is OneDnnLinear
     assert type(model["small"]) is nn.Linear and type(model["bf16"]) is nn.Linear
     assert model["square"].weight.numel() == MIN_ONEDNN_NUMEL
@@ -33,7 +33,7 @@ def test_onednn_linear_matches_aten(shape):
     model = _model()
     x = torch.randn(*shape)
     expected = {name: model[name](x) for name in ("big", "square")}
-    use_onednn_linears(model, "onednn")
+    use_onednn_linears(model, backend="onednn")
     for name, reference in expected.items():
         got = model[name](x)
         assert got.shape == reference.shape
@@ -42,7 +42,7 @@ def test_onednn_linear_matches_aten(shape):
 
 
 def test_aten_backend_and_env_override(monkeypatch):
-    assert use_onednn_linears(_model(), "aten") == 0
+    assert use_onednn_linears(_model(), backend="aten") == 0
     monkeypatch.setenv("ELASTIC_HF_CPU_GEMM", "aten")
     assert use_onednn_linears(_model()) == 0
     monkeypatch.setenv("ELASTIC_HF_CPU_GEMM", "blas")
