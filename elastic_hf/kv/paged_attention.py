@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_hf.kv.paged_batch import PagedBatch
+from elastic_hf.native.paged_decode import native_decode_available, paged_decode_attention
 
 ATTN_IMPLEMENTATION = "elastic_paged"
 
@@ -48,7 +49,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         out[p.q_start:p.q_start + p.q_len] = o[0].transpose(0, 1)
 
     d = paged_batch.decodes
-    if d is not None:
+    if d is not None and native_decode_available(query.dtype, query.device):
+        # fp32 on the CPU: the C kernel reads every decode's K/V in place from its pages.
+        rows_slice = slice(d.first_row, d.first_row + d.num_seqs)
+        paged_decode_attention(query[0, :, rows_slice].transpose(0, 1), pool.chunks, d.chunk_ids,
+                               module.layer_idx * layout.chunks_per_layer, d.lens, out[rows_slice], num_kv_heads,
+                               scaling if scaling is not None else head_dim ** -0.5)
+    elif d is not None:
         # One gather of whole [block_size, head_dim] slabs brings every decode's K and V of this layer.
         chunk_ids = d.chunk_ids + module.layer_idx * layout.chunks_per_layer
         context = pool.chunks.index_select(0, chunk_ids).view(d.num_seqs, num_kv_heads, 2, d.ctx_len, head_dim)

@@ -32,6 +32,7 @@ class DecodeGroup:
                                        # (seq, kv head, K/V, block): the gather is [seqs, kv_heads, 2, ctx, hd]
     num_seqs: int
     ctx_len: int                       # max_blocks * block_size: the padded context every decode attends over
+    lens: torch.Tensor                 # [num_seqs] int64: tokens each decode attends to (<= ctx_len)
     score_bias: torch.Tensor | None    # [num_seqs * kv_heads, 1, ctx_len], 0 or -inf (positions past a sequence's
                                        # length); None when every sequence fills all ctx_len positions
 
@@ -71,7 +72,7 @@ def _decode_group(pool: KVPagePool, first_row: int, tables: list[list[int]], len
         bias = torch.zeros(num_seqs, ctx_len, dtype=lo.dtype).masked_fill_(beyond, float("-inf"))
         score_bias = bias[:, None, None, :].expand(num_seqs, lo.num_kv_heads, 1, ctx_len).reshape(
             num_seqs * lo.num_kv_heads, 1, ctx_len)
-    return DecodeGroup(first_row, chunk_ids.flatten(), num_seqs, ctx_len, score_bias)
+    return DecodeGroup(first_row, chunk_ids.flatten(), num_seqs, ctx_len, torch.tensor(lens), score_bias)
 
 
 def is_batched_decode(num_computed: int, num_new_tokens: int, sliding_window: int | None) -> bool:
@@ -136,6 +137,7 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
             p.mask = None if p.mask is None else p.mask.to(device, non_blocking=True)
         if decodes is not None:
             decodes.chunk_ids = decodes.chunk_ids.to(device, non_blocking=True)
+            decodes.lens = decodes.lens.to(device, non_blocking=True)
             if decodes.score_bias is not None:
                 decodes.score_bias = decodes.score_bias.to(device, non_blocking=True)
     return PagedBatch(pool, write_k_rows, prefills, decodes, row)

@@ -1,7 +1,11 @@
 """The paged attention over the head-centric arena equals dense SDPA on the same K/V, for a packed batch that
-mixes a fresh prefill, a chunked-prefill continuation and decodes of different lengths."""
+mixes a fresh prefill, a chunked-prefill continuation and decodes of different lengths. Decodes are checked on
+both CPU paths: the native kernel (in place from the pages) and the pure-torch chunk gather + bmm."""
+import pytest
 import torch
 import torch.nn.functional as F
+
+from elastic_hf.kv import paged_attention
 
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.page_pool import KVPagePool
@@ -25,7 +29,16 @@ def _pool(num_blocks=64, num_layers=2):
     return KVPagePool(layout, arena, num_blocks, num_blocks)
 
 
-def test_packed_mixed_batch_matches_dense_sdpa():
+@pytest.fixture(params=["native", "torch"])
+def decode_path(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(paged_attention, "native_decode_available", lambda dtype, device: False)
+    elif not paged_attention.native_decode_available(torch.float32, torch.device("cpu")):
+        pytest.skip("no C compiler here (or ELASTIC_HF_NATIVE=0): the native decode kernel is not built")
+    return request.param
+
+
+def test_packed_mixed_batch_matches_dense_sdpa(decode_path):
     torch.manual_seed(0)
     pool = _pool()
     layer = _Layer(1)
@@ -70,7 +83,7 @@ def test_layers_do_not_overwrite_each_other():
     assert torch.all(pool.layer(1)[table[0], :, 1, :3] == -2.0)
 
 
-def test_decodes_over_chunk_gather_match_sdpa_for_odd_head_dim_and_equal_lengths():
+def test_decodes_over_chunk_gather_match_sdpa_for_odd_head_dim_and_equal_lengths(decode_path):
     """Blocks are padded to whole [block_size, head_dim] chunks even when a chunk does not divide the page
     (head_dim 24 -> 384-byte chunks, 4096-byte pages); decodes of equal lengths take the no-bias path."""
     torch.manual_seed(1)

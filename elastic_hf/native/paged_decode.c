@@ -1,0 +1,134 @@
+/* Paged decode attention on the CPU, fp32: one new query token per sequence, K/V read in place from the
+ * head-centric KV arena (no gather copy, no padding to the longest context).
+ *
+ * The arena is addressed as chunks: chunk c is one [block_size, head_dim] K or V slab of one (block, layer,
+ * kv head), contiguous, at kv_chunks + c * block_size * head_dim. chunk_table lists, for layer 0, the chunk id of
+ * every (sequence, kv head, K/V, block) of the batch; a layer adds layer_chunk_offset to each id.
+ *
+ * Work is split over (sequence, kv head) pairs across OpenMP threads. The `group` query heads that share a kv head
+ * (HF's repeat_kv order: head = kv_head * group + g) are handled by the same thread, so their K/V stays in L1/L2.
+ * The softmax is the two-pass one of the reference path: all scores, their max, exp and sum, then V. */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_HEAD_DIM 1024
+
+/* exp for x <= 0 (a score minus the row max), vectorisable: Cephes' expf range reduction and polynomial
+ * (~1 ulp). Inputs below -87.3 give exp(-87.3) ~ 1e-38, a probability that rounds away in the sum. */
+#pragma omp declare simd
+static inline float exp_nonpositive(float x)
+{
+    x = x < -87.3f ? -87.3f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  /* x - n ln2 in two parts */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
+    return p * two_n.f;
+}
+
+/* One (sequence, kv head) pair. Always inlined into calls with a constant head_dim, so the d loops unroll and the
+ * output accumulator lives in registers. q: [group] rows of head_dim at q_head_stride; out: [group, head_dim]. */
+static inline __attribute__((always_inline)) void attend_pair(
+    const float *q, int64_t q_head_stride, const float *kv_chunks, const int64_t *k_chunks,
+    const int64_t *v_chunks, int64_t layer_chunk_offset, int64_t ctx, float *out, int group, int block_size,
+    const int head_dim, float scale, float *scores /* [ctx] scratch */)
+{
+    const int64_t chunk_numel = (int64_t)block_size * head_dim;
+    for (int g = 0; g < group; g++) {
+        const float *qg = q + g * q_head_stride;
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+            const float *kb = kv_chunks + (k_chunks[t0 / block_size] + layer_chunk_offset) * chunk_numel;
+            const int64_t tn = ctx - t0 < block_size ? ctx - t0 : block_size;
+            for (int64_t t = 0; t < tn; t++) {
+                const float *kt = kb + t * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < head_dim; d++) dot += qg[d] * kt[d];
+                scores[t0 + t] = dot * scale;
+            }
+        }
+        float max = -FLT_MAX;
+#pragma omp simd reduction(max : max)
+        for (int64_t t = 0; t < ctx; t++) max = scores[t] > max ? scores[t] : max;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < ctx; t++) {
+            scores[t] = exp_nonpositive(scores[t] - max);
+            sum += scores[t];
+        }
+
+        float acc[MAX_HEAD_DIM];
+        for (int d = 0; d < head_dim; d++) acc[d] = 0.0f;
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+            const float *vb = kv_chunks + (v_chunks[t0 / block_size] + layer_chunk_offset) * chunk_numel;
+            const int64_t tn = ctx - t0 < block_size ? ctx - t0 : block_size;
+            for (int64_t t = 0; t < tn; t++) {
+                const float p = scores[t0 + t];
+                const float *vt = vb + t * head_dim;
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) acc[d] += p * vt[d];
+            }
+        }
+        const float inv_sum = 1.0f / sum;
+        float *og = out + (int64_t)g * head_dim;
+        for (int d = 0; d < head_dim; d++) og[d] = acc[d] * inv_sum;
+    }
+}
+
+/* Returns 0, -1 when a thread's score buffer cannot be allocated, -2 for head_dim > MAX_HEAD_DIM. */
+int elastic_paged_decode_f32(
+    const float *q,                 /* [num_seqs, num_heads, head_dim], strides q_seq_stride, q_head_stride, 1 */
+    int64_t q_seq_stride, int64_t q_head_stride,
+    const float *kv_chunks,         /* arena as [num_chunks, block_size, head_dim] */
+    const int64_t *chunk_table,     /* [num_seqs, num_kv_heads, 2, max_blocks] chunk ids of layer 0 */
+    int64_t layer_chunk_offset,
+    const int64_t *ctx_lens,        /* [num_seqs] tokens each sequence attends to, in [1, max_blocks * block_size] */
+    float *out,                     /* [num_seqs, num_heads, head_dim], strides out_seq_stride, head_dim, 1 */
+    int64_t out_seq_stride,
+    int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
+    float scale, int num_threads)
+{
+    if (head_dim > MAX_HEAD_DIM) return -2;
+    const int group = num_heads / num_kv_heads;
+    const int64_t max_ctx = (int64_t)max_blocks * block_size;
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)max_ctx);
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < (int64_t)num_seqs * num_kv_heads; item++) {
+            if (scores == NULL) continue;
+            const int64_t s = item / num_kv_heads;
+            const int h = (int)(item % num_kv_heads);
+            const int64_t *k_chunks = chunk_table + (s * num_kv_heads + h) * 2 * max_blocks;
+            const int64_t *v_chunks = k_chunks + max_blocks;
+            const float *qh = q + s * q_seq_stride + (int64_t)h * group * q_head_stride;
+            float *oh = out + s * out_seq_stride + (int64_t)h * group * head_dim;
+            /* constant head_dim in the common cases: see attend_pair */
+            if (head_dim == 64)
+                attend_pair(qh, q_head_stride, kv_chunks, k_chunks, v_chunks, layer_chunk_offset, ctx_lens[s],
+                            oh, group, block_size, 64, scale, scores);
+            else if (head_dim == 128)
+                attend_pair(qh, q_head_stride, kv_chunks, k_chunks, v_chunks, layer_chunk_offset, ctx_lens[s],
+                            oh, group, block_size, 128, scale, scores);
+            else
+                attend_pair(qh, q_head_stride, kv_chunks, k_chunks, v_chunks, layer_chunk_offset, ctx_lens[s],
+                            oh, group, block_size, head_dim, scale, scores);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
