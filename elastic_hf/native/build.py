@@ -6,8 +6,9 @@ at install time. The shared library is cached under the elastic-hf cache dir, ke
 the flags and the CPU's instruction-set flags (it is built with -march=native), and written atomically so several
 processes (tensor-parallel workers) can build it at once.
 
-OpenMP: the library needs `libgomp.so.1`, and torch's CPU wheel has already loaded its own copy under that soname,
-so the dynamic loader binds the kernels to torch's OpenMP runtime (one thread pool, no oversubscription).
+OpenMP: the kernels are linked against the OpenMP runtime torch has already loaded (found in /proc/self/maps, e.g.
+torch/lib/libgomp.so.1 or a wheel's renamed libgomp-<hash>.so.1), so the dynamic loader binds them to torch's own
+thread pool instead of loading a second runtime whose idle threads would spin against torch's.
 
 Set ELASTIC_HF_NATIVE=0 to never compile (the callers then keep their pure-torch paths)."""
 from __future__ import annotations
@@ -27,7 +28,7 @@ from elastic_hf.model.loader import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-std=c11")
 # Per-library additions. paged_decode: -funsafe-math-optimizations lets its exp polynomial and reductions vectorise
 # (~1.7x); unlike -ffast-math it keeps infinities and NaNs meaningful. rms_norm keeps strict IEEE order for its
 # elementwise part, to round like the HF module.
@@ -48,6 +49,19 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+def _loaded_openmp_runtime() -> str | None:
+    """Path of the OpenMP runtime (libgomp) mapped into this process by torch, if any."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split()[-1] if line.split() else ""
+        if os.path.basename(path).startswith("libgomp") and ".so" in path and os.path.exists(path):
+            return path
+    return None
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
@@ -55,8 +69,12 @@ def _compiler() -> str | None:
 def _build(source: Path, compiler: str) -> Path:
     text = source.read_bytes()
     flags = CFLAGS + EXTRA_CFLAGS.get(source.stem, ())
+    openmp = _loaded_openmp_runtime()
+    # torch's runtime by path (its SONAME becomes the dependency); else the compiler's own -fopenmp link
+    link = [openmp, f"-Wl,-rpath,{os.path.dirname(openmp)}"] if openmp else ["-fopenmp"]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(text + version.encode() + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()
+    key = hashlib.sha256(text + version.encode() + " ".join(flags + tuple(link)).encode()
+                         + _cpu_flags().encode()).hexdigest()
     out_dir = cache_root() / "native"
     target = out_dir / f"{source.stem}-{key[:16]}.so"
     if target.exists():
@@ -64,14 +82,18 @@ def _build(source: Path, compiler: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
+    obj = tmp[:-3] + ".o"
     try:
-        proc = subprocess.run([compiler, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {source.name} (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        for cmd in ([compiler, *flags, "-c", "-o", obj, str(source)],
+                    [compiler, "-shared", "-o", tmp, obj, *link, "-lm"]):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
         os.replace(tmp, target)  # atomic: a concurrent builder either sees nothing or the finished library
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     return target
 
 
@@ -81,7 +103,7 @@ def load_library(name: str) -> ctypes.CDLL | None:
     or cannot be built here."""
     if not native_enabled():
         return None
-    import torch  # noqa: F401  (loads torch's libgomp first, see the module docstring)
+    import torch  # noqa: F401  (maps torch's OpenMP runtime, which the build links against)
 
     compiler = _compiler()
     if compiler is None:

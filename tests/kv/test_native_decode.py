@@ -54,3 +54,11 @@ def test_library_is_cached_and_a_failing_compiler_falls_back(tmp_path, monkeypat
     assert "pure-torch path" in caplog.text
     monkeypatch.setenv("ELASTIC_HF_NATIVE", "0")
     assert load_library("paged_decode") is None
+
+
+def test_kernels_share_torchs_openmp_runtime():
+    """A second OpenMP runtime would keep its own spinning thread pool next to torch's."""
+    assert native_decode_available(torch.float32, torch.device("cpu"))
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
