@@ -54,6 +54,8 @@ def paged_decode_attention(q: torch.Tensor, kv_chunks: torch.Tensor, chunk_table
                        layer_chunk_offset, ctx_lens.data_ptr(), out.data_ptr(), out.stride(0),
                        num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
                        torch.get_num_threads())
+    if status == -2:
+        raise ValueError(f"the native decode kernel takes head_dim <= 1024, got {head_dim}")
     if status != 0:
         raise MemoryError(f"paged decode attention could not allocate its score buffer "
-                          f"({num_heads // num_kv_heads} x {max_blocks * block_size} floats per thread)")
+                          f"({max_blocks * block_size} floats per thread)")
