@@ -49,20 +49,21 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         out[p.q_start:p.q_start + p.q_len] = o[0].transpose(0, 1)
 
     d = paged_batch.decodes
-    if d is not None and native_decode_available(query.dtype, query.device):
+    if d is None:
+        return out.unsqueeze(0), None
+    rows_slice = slice(d.first_row, d.first_row + d.num_seqs)
+    q = query[0, :, rows_slice].transpose(0, 1)                     # [B, num_heads, hd]
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    layer_chunk_offset = module.layer_idx * layout.chunks_per_layer
+    if native_decode_available(query.dtype, query.device):
         # fp32 on the CPU: the C kernel reads every decode's K/V in place from its pages.
-        rows_slice = slice(d.first_row, d.first_row + d.num_seqs)
-        paged_decode_attention(query[0, :, rows_slice].transpose(0, 1), pool.chunks, d.chunk_ids,
-                               module.layer_idx * layout.chunks_per_layer, d.lens, out[rows_slice], num_kv_heads,
-                               scaling if scaling is not None else head_dim ** -0.5)
-    elif d is not None:
+        paged_decode_attention(q, pool.chunks, d.chunk_ids, layer_chunk_offset, d.lens, out[rows_slice],
+                               num_kv_heads, scale)
+    else:
         # One gather of whole [block_size, head_dim] slabs brings every decode's K and V of this layer.
-        chunk_ids = d.chunk_ids + module.layer_idx * layout.chunks_per_layer
-        context = pool.chunks.index_select(0, chunk_ids).view(d.num_seqs, num_kv_heads, 2, d.ctx_len, head_dim)
-        rows_slice = slice(d.first_row, d.first_row + d.num_seqs)
-        q = query[0, :, rows_slice].transpose(0, 1)                 # [B, num_heads, hd]
-        out[rows_slice] = decode_attention(q, context[:, :, 0], context[:, :, 1], d.score_bias,
-                                           scaling if scaling is not None else head_dim ** -0.5)
+        context = pool.chunks.index_select(0, d.chunk_ids + layer_chunk_offset).view(
+            d.num_seqs, num_kv_heads, 2, d.ctx_len, head_dim)
+        out[rows_slice] = decode_attention(q, context[:, :, 0], context[:, :, 1], d.score_bias, scale)
     return out.unsqueeze(0), None
 
 

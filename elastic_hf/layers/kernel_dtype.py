@@ -10,5 +10,4 @@ from __future__ import annotations
 import torch
 
 
-def int_pack_kernel_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.bfloat16
+INT_PACK_KERNEL_DTYPE = torch.bfloat16

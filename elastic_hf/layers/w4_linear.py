@@ -14,7 +14,7 @@ import functools
 import torch
 from torch import nn
 
-from elastic_hf.layers.kernel_dtype import int_pack_kernel_dtype
+from elastic_hf.layers.kernel_dtype import INT_PACK_KERNEL_DTYPE
 from elastic_hf.layers.quant_scheme import QuantScheme, dequantize_w4, quantize_w4
 
 _CUDA_INNER_K_TILES = (8, 4, 2)
@@ -118,14 +118,13 @@ class W4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead_shape = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)  # [num_tokens, in]
-        kernel_dtype = int_pack_kernel_dtype(x)
+        x2d = x.reshape(-1, self.in_features).to(INT_PACK_KERNEL_DTYPE)  # [num_tokens, in]
+        scales_and_zeros = self.scales_and_zeros.to(INT_PACK_KERNEL_DTYPE)
         if x.device.type == "cuda":
-            out = torch.ops.aten._weight_int4pack_mm(x2d.to(kernel_dtype), self.weight_packed, self.group_size,
-                                                     self.scales_and_zeros.to(kernel_dtype))
+            out = torch.ops.aten._weight_int4pack_mm(x2d, self.weight_packed, self.group_size, scales_and_zeros)
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.to(kernel_dtype).contiguous(), self.weight_packed,
-                                                             self.group_size, self.scales_and_zeros.to(kernel_dtype))
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.contiguous(), self.weight_packed, self.group_size,
+                                                             scales_and_zeros)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.to(x.dtype).reshape(*lead_shape, self.out_features)  # [..., out]

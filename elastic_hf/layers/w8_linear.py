@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from elastic_hf.layers.kernel_dtype import int_pack_kernel_dtype
+from elastic_hf.layers.kernel_dtype import INT_PACK_KERNEL_DTYPE
 from elastic_hf.layers.quant_scheme import QuantScheme, dequantize_w8, quantize_w8
 
 
@@ -42,11 +42,11 @@ class W8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead_shape = x.shape[:-1]
-        kernel_dtype = int_pack_kernel_dtype(x)
-        x2d = x.reshape(-1, self.in_features).to(kernel_dtype)  # [num_tokens, in]
-        out = torch.ops.aten._weight_int8pack_mm(x2d, self.qweight, self.scales.to(kernel_dtype))  # [num_tokens, out]
+        x2d = x.reshape(-1, self.in_features).to(INT_PACK_KERNEL_DTYPE)  # [num_tokens, in]
+        scales = self.scales.to(INT_PACK_KERNEL_DTYPE)
+        out = torch.ops.aten._weight_int8pack_mm(x2d, self.qweight, scales)  # [num_tokens, out]
         if self.bias is not None:
-            out = out + self.bias.to(kernel_dtype)
+            out = out + self.bias.to(INT_PACK_KERNEL_DTYPE)
         return out.to(x.dtype).reshape(*lead_shape, self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -55,8 +55,8 @@ Quantized layers run as fp32 reference copies of their dequantized weights (iden
 from __future__ import annotations
 
 import hashlib
-import math
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -30,8 +30,7 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-std=c11")
 # Per-library additions. paged_decode: -funsafe-math-optimizations lets its exp polynomial and reductions vectorise
-# (~1.7x); unlike -ffast-math it keeps infinities and NaNs meaningful. rms_norm keeps strict IEEE order for its
-# elementwise part, to round like the HF module.
+# (~1.7x); unlike -ffast-math it keeps infinities and NaNs meaningful.
 EXTRA_CFLAGS = {"paged_decode": ("-funsafe-math-optimizations",)}
 
 
