@@ -1,4 +1,4 @@
-"""Shared helpers for benchmarks: data paths, prompts cut from wikitext, machine description."""
+"""Helpers of the benchmarks: data paths, prompts cut from wikitext, machine description."""
 from __future__ import annotations
 
 import os
@@ -9,22 +9,19 @@ from pathlib import Path
 import torch
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = Path(__file__).resolve().parent / "data"   # benchmark-only data (README.md there: source, licence)
 
 
-def shared_data_dir() -> Path:
-    env = os.environ.get("ELASTIC_HF_DATA")
-    candidates = [Path(env)] if env else []
-    candidates += [PROJECT_ROOT.parent / "shared" / "data", PROJECT_ROOT / "shared" / "data"]
-    for path in candidates:
-        if path.is_dir():
-            return path
-    raise FileNotFoundError(f"shared data directory not found (looked in {[str(c) for c in candidates]}); "
-                            "set ELASTIC_HF_DATA")
+def wikitext_text() -> str:
+    """The WikiText-2 validation text shipped with the package (elastic_hf/data/NOTICE.md)."""
+    from elastic_hf.paths import default_calibration_text
+
+    return default_calibration_text().read_text()
 
 
 def wikitext_prompts(tokenizer, num_prompts: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
     """Token-id prompts of random length in [min_tokens, max_tokens], cut at random offsets of wikitext."""
-    text = (shared_data_dir() / "wikitext2-valid.txt").read_text()
+    text = wikitext_text()
     ids = tokenizer.encode(text[:400_000], add_special_tokens=False)
     rng = random.Random(seed)
     prompts = []

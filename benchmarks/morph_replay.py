@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, shared_data_dir  # noqa: E402
+from common import machine_description  # noqa: E402
 from replay import (TRACE_NAME, TraceScale, build_requests, load_trace, run_replay, scale_trace,  # noqa: E402
                     time_scale_for_rate)
 
@@ -98,7 +98,8 @@ def perplexity_curve(order: list[int], ks: list[int], num_windows: int, seq_len:
     from elastic_hf.layers.quant_scheme import QuantScheme
     from elastic_hf.layers.quantize_layer import quantize_decoder_layer, reference_layer
     from elastic_hf.model.loader import load_model_and_tokenizer
-    from elastic_hf.morph.perplexity import PerplexityEvaluator, eval_windows, tokenize_file
+    from elastic_hf.profiling.calibration import default_calibration_text, tokenize_file
+    from elastic_hf.profiling.perplexity import PerplexityEvaluator, eval_windows
     from elastic_hf.patches import get_adapter
 
     model, tokenizer, _ = load_model_and_tokenizer(None)
@@ -107,7 +108,7 @@ def perplexity_curve(order: list[int], ks: list[int], num_windows: int, seq_len:
     scheme = QuantScheme.create("w4")
     references = {i: reference_layer(quantize_decoder_layer(layers[i], adapter, scheme, model.config))
                   for i in range(len(layers))}
-    ids = tokenize_file(tokenizer, shared_data_dir() / "wikitext2-valid.txt")
+    ids = tokenize_file(tokenizer, default_calibration_text())
     windows = eval_windows(ids[ids.numel() // 2:], seq_len, num_windows)  # second half: held out
     evaluator = PerplexityEvaluator(model, adapter, windows)
     return {k: evaluator.perplexity({i: references[i] for i in order[:k]}) for k in ks}

@@ -35,7 +35,7 @@ import httpx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PROJECT_ROOT, machine_description, shared_data_dir  # noqa: E402
+from common import DATA_DIR, PROJECT_ROOT, machine_description, wikitext_text  # noqa: E402
 
 TRACE_NAME = "azure-llm-2023-code.csv"
 
@@ -64,7 +64,7 @@ class TraceScale:
 def load_trace(path: str | os.PathLike | None = None, *, start: int = 0, num_requests: int | None = None
                ) -> list[TraceRow]:
     """Rows [start, start + num_requests) of the trace, arrival times relative to the first of them."""
-    path = Path(path) if path else shared_data_dir() / TRACE_NAME
+    path = Path(path) if path else DATA_DIR / TRACE_NAME
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     rows = rows[start:start + num_requests if num_requests else None]
@@ -105,7 +105,7 @@ class ReplayRequest:
 def build_requests(rows: list[TraceRow], tokenizer, *, seed: int = 0, as_text: bool = False) -> list[ReplayRequest]:
     """One request per row: a window of wikitext token ids of exactly the row's prompt length, at a random
     offset so that requests share no prefix."""
-    text = (shared_data_dir() / "wikitext2-valid.txt").read_text()
+    text = wikitext_text()
     need = max(r.prompt_tokens for r in rows) + 1
     ids = tokenizer.encode(text[:max(400_000, need * 8)], add_special_tokens=False)
     if len(ids) <= need:
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=None, help="tokenizer for the prompts (default: --model's)")
     ap.add_argument("--api-key", default=None, help="bearer key of the server (else $ELASTIC_HF_API_KEY)")
     ap.add_argument("--serve-args", default="", help="extra flags for elastic-hf serve, one string")
-    ap.add_argument("--trace", default=None, help=f"trace CSV (default: ../shared/data/{TRACE_NAME})")
+    ap.add_argument("--trace", default=None, help=f"trace CSV (default: benchmarks/data/{TRACE_NAME})")
     ap.add_argument("--start", type=int, default=0, help="first trace row to replay")
     ap.add_argument("--num-requests", type=int, default=48, help="trace rows to replay")
     ap.add_argument("--rate", type=float, default=0.5,

@@ -23,6 +23,16 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama():
+    """tiny_llama(num_layers=4, seed=0) -> an in-memory random-weight Llama (hidden 64, GQA 4/2 heads, vocab 512)."""
+    from tiny_models import tiny_hf_model
+
+    return lambda num_layers=4, seed=0: tiny_hf_model(
+        "llama", seed, num_hidden_layers=num_layers, vocab_size=512, max_position_embeddings=512,
+        tie_word_embeddings=True, initializer_range=0.1)
+
+
+@pytest.fixture(scope="session")
 def default_model():
     """The embedded SmolLM2-135M-Instruct as an ElasticModel, shared by the tests that need a real model."""
     from elastic_hf.model.elastic_model import ElasticModel

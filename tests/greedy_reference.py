@@ -19,14 +19,12 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
 
 def mixed_prompts(tokenizer, num_prompts: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
-    """Token-id prompts of mixed lengths cut from real text (wikitext when present, else a fixed paragraph)."""
+    """Token-id prompts of mixed lengths cut from real text (the WikiText-2 text shipped with the package)."""
     import random
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2-valid.txt"
-    text = path.read_text()[:200_000] if path.exists() else (
-        "The tower is 324 metres tall, about the same height as an 81-storey building, and the tallest "
-        "structure in Paris. Its base is square, measuring 125 metres on each side. ") * 200
+    from elastic_hf.paths import default_calibration_text
+
+    text = default_calibration_text().read_text()[:200_000]
     ids = tokenizer.encode(text, add_special_tokens=False)
     rng = random.Random(seed)
     prompts = []

@@ -1,6 +1,8 @@
-"""Tiny random-weight checkpoints (Llama, Qwen2, Mistral) with the default model's real tokenizer, saved once
-per test session. Weights use a larger init scale than HF's default so greedy choices have clear margins and
-exactness tests compare model behaviour, not float round-off between near-equal logits."""
+"""The one factory of tiny random-weight models for the tests (Llama, Qwen2, Mistral): in memory
+(`tiny_hf_model`) or saved as a checkpoint with the default model's real tokenizer (`build_tiny_checkpoint`).
+
+The defaults use a larger init scale than HF's so greedy choices have clear margins and exactness tests compare
+model behaviour, not float round-off between near-equal logits; q/k/v biases (Qwen2) are random so they matter."""
 from __future__ import annotations
 
 import shutil
@@ -9,38 +11,49 @@ from pathlib import Path
 import torch
 
 TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=1024)
+                   num_key_value_heads=2, max_position_embeddings=1024, vocab_size=49152,
+                   tie_word_embeddings=False, initializer_range=0.2)
 
 
-def _config(arch: str, shape: dict):
+def tiny_config(arch: str = "llama", **overrides):
+    """A config of `arch` with TINY_SHAPES, any field overridden (num_hidden_layers=5, vocab_size=512, ...)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(TINY_SHAPES, **shape, vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                  tie_word_embeddings=False, initializer_range=0.2)
-    if arch == "llama":
-        return LlamaConfig(**common)
-    if arch == "qwen2":
-        return Qwen2Config(**common)  # q/k/v carry biases
+    common = dict(TINY_SHAPES, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if arch == "mistral":
-        return MistralConfig(**common, sliding_window=24)  # small window: exercised by long prompts
-    raise ValueError(arch)
+        common["sliding_window"] = 24  # small window: exercised by long prompts
+    common.update(overrides)
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}  # qwen2: q/k/v biases
+    if arch not in configs:
+        raise ValueError(f"arch must be one of {sorted(configs)}, got {arch!r}")
+    return configs[arch](**common)
 
 
-def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0, **shape) -> Path:
-    """shape overrides TINY_SHAPES (hidden_size, num_key_value_heads, ...)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def tiny_hf_model(arch: str = "llama", seed: int = 0, bias_std: float = 0.2, **overrides):
+    """A random-weight HF causal LM (fp32, eval, no grad, SDPA attention)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **overrides)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # biases default to zero; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, bias_std)
+    return model.eval().requires_grad_(False)
+
+
+def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Save tiny_hf_model(arch, seed, **overrides) with the default model's tokenizer to out_dir (once)."""
+    from transformers import AutoTokenizer
 
     from elastic_hf.model.loader import resolve_model
 
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         return out_dir
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch, shape), dtype=torch.float32)
-    with torch.no_grad():  # biases default to zero; make them matter
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.2)
+    model = tiny_hf_model(arch, seed, **overrides)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

@@ -1,4 +1,4 @@
-"""A Linear whose weight lives in a weights arena in a padded, chunked layout (see parallel/sharding_plan.py) so that
+"""A Linear whose weight lives in a weights arena in a padded, chunked layout (see layers/shard_layout.py) so that
 it can compute as any tensor-parallel shard of itself and give back the pages of the chunks it no longer owns.
 
 column: y[..., own out rows] = x @ W[own rows].T (+ bias rows); the caller's next op consumes the shard.
@@ -12,7 +12,7 @@ from torch import nn
 
 from elastic_hf.layers.cpu_gemm import fp32_linear
 from elastic_hf.memory.arena import PageArena
-from elastic_hf.parallel.sharding_plan import PaddedLayout, Run
+from elastic_hf.layers.shard_layout import PaddedLayout, Run
 
 MODES = ("column", "row")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from elastic_hf.model.default_model import DEFAULT_MODEL_ID, default_gguf_path
+from elastic_hf.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +28,6 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 class ResolvedModel:
     checkpoint_dir: Path   # a directory `from_pretrained` can read (safetensors + config + tokenizer)
     model_id: str          # the name served in /v1/models
-
-
-def cache_root() -> Path:
-    base = os.environ.get("ELASTIC_HF_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "elastic-hf")
-    return Path(base)
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:

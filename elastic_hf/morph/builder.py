@@ -14,6 +14,7 @@ from elastic_hf.morph.layer_swapper import LayerSwapper
 from elastic_hf.morph.manager import MorphManager
 from elastic_hf.morph.metrics import MorphMetrics
 from elastic_hf.morph.variant_builder import VariantConfig
+from elastic_hf.profiling.profile_format import fallback_order, load_profile
 
 MORPH_MODES = ("off", "manual") + MODES   # manual: swaps only through morph.to_precision / the admin API
 
@@ -44,8 +45,6 @@ class MorphOptions:
 
 
 def swap_order(options: MorphOptions, hf_config, num_layers: int) -> list[int]:
-    from elastic_hf.morph.lis import fallback_order, load_profile
-
     if options.profile is None:
         return fallback_order(num_layers)
     return load_profile(options.profile, hf_config).order

@@ -22,7 +22,9 @@ from elastic_hf.layers.awq import AwqConfig
 from elastic_hf.layers.quant_scheme import DEFAULT_W4_GROUP_SIZE, QuantScheme
 from elastic_hf.layers.quantize_layer import (calibrate_and_quantize, decoder_layer_kwargs, load_layer_variant,
                                               save_layer_variant)
-from elastic_hf.model.loader import cache_root
+from elastic_hf.paths import cache_root
+from elastic_hf.profiling.calibration import calibration_batch, read_text
+from elastic_hf.profiling.profile_format import config_hash
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +64,6 @@ class VariantConfig:
 
 def checkpoint_fingerprint(checkpoint_dir: Path, hf_config) -> str:
     """Names, sizes and mtimes of the weight files plus the config hash: cheap, and changes when the weights do."""
-    from elastic_hf.morph.lis import config_hash
-
     h = hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode())
     for path in sorted(Path(checkpoint_dir).glob("*")):
         if path.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
@@ -101,9 +101,6 @@ def _sdpa_attention(model: nn.Module):
 def calibration_ids(tokenizer, config: VariantConfig) -> torch.Tensor:
     """[calib_samples, calib_seq_len] token windows of the calibration text. Only a prefix of the text is
     tokenized (16 windows' worth, ~8 characters per token): tokenizing a whole corpus file costs seconds."""
-    from elastic_hf.morph.lis import calibration_batch
-    from elastic_hf.morph.perplexity import read_text
-
     text = read_text(config.calib_path, "calib_path")
     needed_chars = 16 * config.calib_samples * config.calib_seq_len * 8
     ids = tokenizer(text[:needed_chars], add_special_tokens=False, return_tensors="pt").input_ids[0]

@@ -23,7 +23,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from elastic_hf.model.loader import cache_root
+from elastic_hf.paths import cache_root
 
 logger = logging.getLogger(__name__)
 

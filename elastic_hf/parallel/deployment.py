@@ -26,11 +26,11 @@ from elastic_hf.engine.tp_policy import InstanceLoad, TPPolicy, TPPolicyConfig
 from elastic_hf.engine.sequence import Request, SeqStatus
 from elastic_hf.kv.block_allocator import BlockAllocator
 from elastic_hf.model.runner import SeqStepInput
-from elastic_hf.parallel.groups import Topology, candidate_topologies, parse_topology
-from elastic_hf.parallel.kv_migration import BlockMove, build_migration_plan
+from elastic_hf.topology import Topology, candidate_topologies, parse_topology
+from elastic_hf.kv.migration_plan import BlockMove, build_migration_plan
 from elastic_hf.parallel.metrics import DeploymentMetrics
 from elastic_hf.parallel.reshape_plan import ReshapePlan
-from elastic_hf.parallel.sharding_plan import allowed_tp_degrees
+from elastic_hf.layers.shard_layout import allowed_tp_degrees
 from elastic_hf.parallel.weight_store import SharedWeightStore
 from elastic_hf.parallel.worker import RESHAPE_PHASES, WorkerConfig, worker_main
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic_hf.parallel.groups import Topology
-from elastic_hf.parallel.kv_migration import BlockMove, KVTransfer
+from elastic_hf.topology import Topology
+from elastic_hf.kv.migration_plan import BlockMove, KVTransfer
 
 
 WEIGHT_SOURCES = ("host", "peers")

@@ -13,8 +13,8 @@ from torch import nn
 
 from elastic_hf.layers.shardable_linear import ShardableLinear
 from elastic_hf.memory import MemoryBudget, create_arena
-from elastic_hf.parallel.groups import Topology
-from elastic_hf.parallel.sharding_plan import COLUMN_KINDS, SHARDED_KINDS, ModelShardSpec, PaddedLayout
+from elastic_hf.topology import Topology
+from elastic_hf.layers.shard_layout import COLUMN_KINDS, SHARDED_KINDS, ModelShardSpec, PaddedLayout
 from elastic_hf.parallel.weight_store import SharedWeightStore, linear_module_names
 
 ATTENTION_KINDS = ("q", "k", "v", "o")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from elastic_hf.parallel.sharding_plan import SHARDED_KINDS
+from elastic_hf.layers.shard_layout import SHARDED_KINDS
 
 
 def linear_module_names(adapter) -> dict[str, str]:

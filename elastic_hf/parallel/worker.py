@@ -16,12 +16,14 @@ from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.memory import MemoryBudget, create_arena
-from elastic_hf.parallel.groups import ProcessGroups, Topology, candidate_topologies
-from elastic_hf.parallel.kv_migration import head_range, migrate_kv
+from elastic_hf.parallel.groups import ProcessGroups
+from elastic_hf.topology import Topology, candidate_topologies
+from elastic_hf.kv.migration_plan import head_range
+from elastic_hf.parallel.kv_migration import migrate_kv
 from elastic_hf.parallel.reshape_plan import ReshapePlan
 from elastic_hf.parallel.shard_transform import (ATTENTION_KINDS, MLP_KINDS, ShardedWeights, gather_weights,
                                                  weight_gather_plan)
-from elastic_hf.parallel.sharding_plan import ModelShardSpec, allowed_tp_degrees
+from elastic_hf.layers.shard_layout import ModelShardSpec, allowed_tp_degrees
 from elastic_hf.parallel.weight_store import SharedWeightStore
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import sys
 # subcommand -> (module, one-line help). Modules are imported lazily so `--help` stays fast.
 SUBCOMMANDS = {
     "serve": ("elastic_hf.serving.serve_cmd", "run the OpenAI-compatible HTTP server"),
-    "profile": ("elastic_hf.morph.profile_cmd", "offline LIS layer ordering for precision morphing"),
+    "profile": ("elastic_hf.profiling.profile_cmd", "offline LIS layer ordering for precision morphing"),
 }
 
 

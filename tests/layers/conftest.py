@@ -2,37 +2,18 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
-
-def tiny_config(model_type: str = "llama", num_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                intermediate: int = 128, vocab: int = 256):
-    if model_type == "qwen2":
-        from transformers import Qwen2Config as Config
-    else:
-        from transformers import LlamaConfig as Config
-    return Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                  num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  max_position_embeddings=512, tie_word_embeddings=True)
-
-
-def tiny_model(model_type: str = "llama", seed: int = 0, **kwargs):
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(seed)
-    config = tiny_config(model_type, **kwargs)
-    config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
-    if model_type == "qwen2":  # random init leaves biases at zero; make them matter
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.data.normal_(0, 0.5)
-    return model
 
 
 @pytest.fixture
 def make_tiny_model():
-    """make_tiny_model("llama" | "qwen2", seed=0, **shape) -> a tiny random-weight HF model (eval, no grad)."""
-    return tiny_model
+    """make_tiny_model("llama" | "qwen2", seed=0, kv_heads=2) -> a 2-layer random-weight HF model (eval, no grad)."""
+    from tiny_models import tiny_hf_model
+
+    def make(arch: str = "llama", seed: int = 0, kv_heads: int = 2):
+        return tiny_hf_model(arch, seed, bias_std=0.5, num_hidden_layers=2, num_key_value_heads=kv_heads,
+                             vocab_size=256, max_position_embeddings=512, tie_word_embeddings=True,
+                             initializer_range=0.02)
+    return make
 
 
 @pytest.fixture(scope="session")
@@ -45,8 +26,6 @@ def hf_default_model():
 
 @pytest.fixture(scope="session")
 def wikitext_path():
-    from elastic_hf.morph.profile_cmd import find_data_file
-    try:
-        return find_data_file()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+    from elastic_hf.profiling.calibration import default_calibration_text
+
+    return default_calibration_text()

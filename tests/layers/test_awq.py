@@ -115,8 +115,8 @@ def test_load_rejects_foreign_file(tmp_path):
 def w4_default(hf_default_model, wikitext_path):
     """RTN and AWQ W4-g64 variants of every default-model layer, calibrated on 2 x 256 tokens of the first half
     of the file; evaluation windows (4 x 256) come from the second half."""
-    from elastic_hf.morph.lis import calibration_batch
-    from elastic_hf.morph.perplexity import PerplexityEvaluator, eval_windows, held_out_split, tokenize_file
+    from elastic_hf.profiling.calibration import calibration_batch, held_out_split, tokenize_file
+    from elastic_hf.profiling.perplexity import PerplexityEvaluator, eval_windows
 
     model, tokenizer, _ = hf_default_model
     adapter = get_adapter(model.config)
@@ -152,7 +152,7 @@ def test_default_model_awq_perplexity_not_worse_than_rtn(w4_default):
 
 @pytest.mark.slow
 def test_fully_w4_default_model_still_answers_paris(w4_default):
-    from elastic_hf.morph.perplexity import swapped_layers
+    from elastic_hf.profiling.perplexity import swapped_layers
 
     model, tokenizer, adapter, variants, _, _ = w4_default
     messages = [{"role": "user", "content": "What is the capital of France?"}]

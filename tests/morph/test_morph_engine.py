@@ -156,7 +156,7 @@ def test_lis_profile_sets_the_swap_order(tiny_checkpoint, tmp_path):
 
     from transformers import AutoConfig
 
-    from elastic_hf.morph.lis import PROFILE_FORMAT, config_hash
+    from elastic_hf.profiling.profile_format import PROFILE_FORMAT, config_hash
 
     checkpoint = tiny_checkpoint("llama")
     profile = tmp_path / "lis.json"

@@ -2,9 +2,9 @@
 overhead report; candidate topologies and their groups; the 2-D migration plan covers every head exactly once."""
 import pytest
 
-from elastic_hf.parallel.groups import Topology, candidate_topologies, group_rank_sets, parse_topology
-from elastic_hf.parallel.kv_migration import BlockMove, build_migration_plan
-from elastic_hf.parallel.sharding_plan import (ModelShardSpec, PaddedLayout, allowed_tp_degrees, padding_overhead,
+from elastic_hf.topology import Topology, candidate_topologies, group_rank_sets, parse_topology
+from elastic_hf.kv.migration_plan import BlockMove, build_migration_plan
+from elastic_hf.layers.shard_layout import (ModelShardSpec, PaddedLayout, allowed_tp_degrees, padding_overhead,
                                                split_units)
 
 SMOLLM = dict(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64, itemsize=4)

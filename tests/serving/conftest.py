@@ -3,23 +3,21 @@ from __future__ import annotations
 
 import pytest
 
-from serving_helpers import API_KEY, PROMPTS, TINY_MAX_MODEL_LEN, make_tiny_llama, start_server
+from serving_helpers import API_KEY, PROMPTS, TINY_MAX_MODEL_LEN, start_server
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
-    from elastic_hf.model.loader import resolve_model
-
-    tokenizer_dir = resolve_model(None).checkpoint_dir
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir)
+def serving_checkpoint(tiny_checkpoint):
+    """The tiny random-weight Llama (with the default model's real tokenizer) that most serving tests use."""
+    return str(tiny_checkpoint("llama"))
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tiny_checkpoint):
+def tiny_server(serving_checkpoint):
     """One server over the tiny model for the whole session, with an API key (auth is part of every test)."""
     from elastic_hf.model.elastic_model import ElasticModel
 
-    model = ElasticModel.from_pretrained(tiny_checkpoint, max_model_len=TINY_MAX_MODEL_LEN,
+    model = ElasticModel.from_pretrained(serving_checkpoint, max_model_len=TINY_MAX_MODEL_LEN,
                                          kv_cache_memory=64 << 20, max_num_seqs=64, max_num_batched_tokens=512)
     handle, stop = start_server(model, api_key=API_KEY, prompts=PROMPTS, chats=["Hi there!", "Tell me a joke."])
     yield handle

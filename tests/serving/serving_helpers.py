@@ -7,7 +7,6 @@ Reference outputs are computed with the same engine, synchronously, before the s
 server's greedy output equals the engine's own greedy output" then compares like with like."""
 from __future__ import annotations
 
-import shutil
 import socket
 import threading
 import time
@@ -67,24 +66,6 @@ class Server:
             if line.startswith(name + ("{" if labels else " ")) and (not labels or labels in line):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(f"{name}{{{labels}}} not in /metrics")
-
-
-def make_tiny_llama(directory, tokenizer_dir) -> str:
-    """A 2-layer random-weight Llama with the default model's 49152-token vocabulary and tokenizer."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(directory)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, directory / name)
-    return str(directory)
 
 
 def _free_socket() -> socket.socket:

@@ -12,13 +12,13 @@ AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def admin(tiny_checkpoint):
+def admin(serving_checkpoint):
     from elastic_hf.engine.async_engine import AsyncEngine
     from elastic_hf.model.elastic_model import ElasticModel
     from elastic_hf.serving.admin_morph import admin_morph_router
     from elastic_hf.serving.app import build_app
 
-    model = ElasticModel.from_pretrained(tiny_checkpoint, max_model_len=512, kv_cache_memory=4 << 20,
+    model = ElasticModel.from_pretrained(serving_checkpoint, max_model_len=512, kv_cache_memory=4 << 20,
                                          morph="manual", morph_options={"variants": {"use_cache": False}})
     async_engine = AsyncEngine(model.engine).start()
     app = build_app(async_engine, model_id=model.model_id)
@@ -36,7 +36,7 @@ def test_missing_or_wrong_admin_key_is_401(admin):
     assert response.status_code == 401 and "admin key" in response.json()["error"]["message"]
 
 
-def test_no_admin_key_configured_is_403(tiny_checkpoint):
+def test_no_admin_key_configured_is_403(serving_checkpoint):
     from fastapi import FastAPI
 
     from elastic_hf.serving.admin_morph import admin_morph_router
@@ -85,7 +85,7 @@ def test_forced_morph_while_requests_stream(admin):
     assert back["layer_counts"]["fp"] == 2 and back["pending"] == []
 
 
-def test_idle_server_restores_to_full_precision_by_itself(tiny_checkpoint):
+def test_idle_server_restores_to_full_precision_by_itself(serving_checkpoint):
     """No requests at all: the engine thread keeps ticking step boundaries while layers are below fp
     (LLMEngine.idle_work_checks), so the controller restores them once its hold time passed."""
     import time
@@ -96,7 +96,7 @@ def test_idle_server_restores_to_full_precision_by_itself(tiny_checkpoint):
     from elastic_hf.serving.app import build_app
 
     model = ElasticModel.from_pretrained(
-        tiny_checkpoint, max_model_len=512, kv_cache_memory=4 << 20, morph="default",
+        serving_checkpoint, max_model_len=512, kv_cache_memory=4 << 20, morph="default",
         morph_options={"variants": {"use_cache": False},
                        "controller": {"restore_persistence_steps": 2, "restore_hold_s": 0.2,
                                       "restore_layers_per_step": 1}})

@@ -12,9 +12,9 @@ ADMIN = {"Authorization": "Bearer admin-secret"}
 
 
 @pytest.fixture(scope="module")
-def deployment_server(tiny_checkpoint):
+def deployment_server(serving_checkpoint):
     env = {**os.environ, "ELASTIC_HF_ADMIN_KEY": "admin-secret"}
-    proc, base = start_cli_server([tiny_checkpoint, "--workers", "2", "--kv-cache-memory", "16MiB",
+    proc, base = start_cli_server([serving_checkpoint, "--workers", "2", "--kv-cache-memory", "16MiB",
                                    "--max-model-len", "256", "--log-level", "warning"], env)
     yield base
     stop_cli_server(proc)

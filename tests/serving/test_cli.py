@@ -90,9 +90,9 @@ def stop_cli_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def test_serve_runs_on_loopback_with_api_key(tiny_checkpoint):
+def test_serve_runs_on_loopback_with_api_key(serving_checkpoint):
     env = {**os.environ, "ELASTIC_HF_API_KEY": "cli-key"}
-    proc, base = start_cli_server([tiny_checkpoint, "--memory-budget", "96MiB", "--max-model-len", "256",
+    proc, base = start_cli_server([serving_checkpoint, "--memory-budget", "96MiB", "--max-model-len", "256",
                                    "--max-num-seqs", "8", "--log-level", "warning"], env)
     port = int(base.rsplit(":", 1)[1])
     try:
@@ -114,7 +114,7 @@ def test_serve_runs_on_loopback_with_api_key(tiny_checkpoint):
     assert proc.returncode == 0, proc.stdout.read()
 
 
-def test_serve_bad_flag_value_is_a_message_not_a_traceback(tiny_checkpoint):
-    result = _run("serve", tiny_checkpoint, "--max-model-len", "99999999", "--memory-budget", "96MiB")
+def test_serve_bad_flag_value_is_a_message_not_a_traceback(serving_checkpoint):
+    result = _run("serve", serving_checkpoint, "--max-model-len", "99999999", "--memory-budget", "96MiB")
     assert result.returncode != 0
     assert "max_model_len" in result.stderr and "Traceback" not in result.stderr

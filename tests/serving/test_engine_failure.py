@@ -11,10 +11,10 @@ from serving_helpers import MAX_TOKENS, PROMPTS, TINY_MAX_MODEL_LEN, start_serve
 
 
 @pytest.fixture(scope="module")
-def flaky_server(tiny_checkpoint):
+def flaky_server(serving_checkpoint):
     from elastic_hf.model.elastic_model import ElasticModel
 
-    model = ElasticModel.from_pretrained(tiny_checkpoint, max_model_len=TINY_MAX_MODEL_LEN,
+    model = ElasticModel.from_pretrained(serving_checkpoint, max_model_len=TINY_MAX_MODEL_LEN,
                                          kv_cache_memory=16 << 20)
     engine = model.engine
     real_step = engine.step

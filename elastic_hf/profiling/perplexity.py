@@ -8,39 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from elastic_hf.layers.quantize_layer import decoder_layer_kwargs
-
-
-def read_text(path: str | Path, argument: str = "calib") -> str:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{argument}={str(path)!r}: file does not exist")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise ValueError(f"{argument}={str(path)!r}: the text file is empty; it must contain text to tokenize")
-    return text
-
-
-def tokenize_file(tokenizer, path: str | Path, argument: str = "calib") -> torch.Tensor:
-    """All tokens of a text file, without special tokens. Returns [num_tokens] int64."""
-    ids = tokenizer(read_text(path, argument), add_special_tokens=False, return_tensors="pt").input_ids[0]
-    if ids.numel() < 2:
-        raise ValueError(f"{argument}={str(path)!r}: {ids.numel()} token(s); need at least 2")
-    return ids
-
-
-def held_out_split(token_ids: torch.Tensor, calib_fraction: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Calibrate on the first part of one token stream and evaluate on the rest: no token is in both."""
-    if not 0.0 < calib_fraction < 1.0:
-        raise ValueError(f"calib_fraction={calib_fraction} must be in (0, 1)")
-    cut = int(token_ids.numel() * calib_fraction)
-    return token_ids[:cut], token_ids[cut:]
 
 
 def eval_windows(token_ids: torch.Tensor, seq_len: int, num_windows: int) -> torch.Tensor:
@@ -107,12 +80,6 @@ class PerplexityEvaluator:
             logits = self.lm_head(self.final_norm(hidden[window])).float()  # [seq, vocab]
             total_nll += F.cross_entropy(logits[:-1], self.windows[window, 1:], reduction="sum").item()
         return math.exp(total_nll / (self.windows.shape[0] * (self.windows.shape[1] - 1)))
-
-
-def perplexity_with_layers(model: nn.Module, adapter, windows: torch.Tensor,
-                           replacements: dict[int, nn.Module] | None = None) -> float:
-    """One-off perplexity (builds the prefix cache for a single evaluation)."""
-    return PerplexityEvaluator(model, adapter, windows).perplexity(replacements)
 
 
 def order_sweep(evaluator: PerplexityEvaluator, references: dict[int, nn.Module], orders: dict[str, list[int]],

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from elastic_hf.morph.perplexity import (PerplexityEvaluator, eval_windows, held_out_split, read_text,
-                                         tokenize_file)
-from elastic_hf.morph.profile_cmd import find_data_file
 from elastic_hf.patches import get_adapter
+from elastic_hf.profiling.calibration import default_calibration_text, held_out_split, read_text, tokenize_file
+from elastic_hf.profiling.perplexity import PerplexityEvaluator, eval_windows
 from elastic_hf.serving.cli import main
 
 FAST = ["--samples", "2", "--seq-len", "48", "--group-size", "32", "--awq-grid", "4", "--no-progress"]
@@ -19,13 +19,9 @@ FAST = ["--samples", "2", "--seq-len", "48", "--group-size", "32", "--awq-grid",
 
 @pytest.fixture(scope="module")
 def calib_file(tmp_path_factory):
-    """A small calibration/evaluation text: a slice of wikitext2 when present, else generated prose."""
+    """A small calibration/evaluation text: a slice of the shipped wikitext2."""
     path = tmp_path_factory.mktemp("text") / "calib.txt"
-    try:
-        text = find_data_file().read_text()[:20_000]
-    except FileNotFoundError:
-        text = " ".join(f"The {i}th river flows past the old mill and into the sea ." for i in range(1500))
-    path.write_text(text)
+    path.write_text(default_calibration_text().read_text()[:20_000])
     return path
 
 
@@ -87,17 +83,13 @@ def test_empty_calibration_file_fails_clearly(tiny_checkpoint, tmp_path, capsys)
         read_text(empty, "calib")
 
 
-def test_find_data_file(tmp_path, monkeypatch):
-    (tmp_path / "wikitext2-valid.txt").write_text("hello")
-    monkeypatch.setenv("ELASTIC_HF_DATA", str(tmp_path))
-    assert find_data_file() == tmp_path / "wikitext2-valid.txt"
-    monkeypatch.setenv("ELASTIC_HF_DATA", str(tmp_path / "nowhere"))
-    with pytest.raises(FileNotFoundError, match="ELASTIC_HF_DATA"):
-        find_data_file()
-    monkeypatch.delenv("ELASTIC_HF_DATA")
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="no-such-file.txt was not found"):
-        find_data_file("no-such-file.txt")
+def test_default_calibration_text_ships_with_the_package():
+    import elastic_hf
+
+    path = default_calibration_text()
+    package_dir = Path(elastic_hf.__file__).resolve().parent
+    assert path.is_relative_to(package_dir) and path.stat().st_size > 1_000_000
+    assert "Homarus gammarus" in path.read_text()[:200]  # the first article of WikiText-2's validation split
 
 
 def test_held_out_split_does_not_overlap():

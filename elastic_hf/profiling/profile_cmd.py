@@ -16,36 +16,14 @@ from elastic_hf.layers.awq import AwqConfig
 from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.layers.quant_scheme import QuantScheme
 from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs, reference_layer
-from elastic_hf.morph.lis import (MDS_METRICS, NORMALIZATIONS, LisConfig, calibration_batch, fallback_order,
-                                 load_profile, profile_lis)
-from elastic_hf.morph.perplexity import (PerplexityEvaluator, eval_windows, held_out_split, order_sweep,
-                                         tokenize_file)
+from elastic_hf.profiling.calibration import calibration_batch, default_calibration_text, held_out_split, tokenize_file
+from elastic_hf.profiling.lis import profile_lis
+from elastic_hf.profiling.perplexity import PerplexityEvaluator, eval_windows, order_sweep
+from elastic_hf.profiling.profile_format import MDS_METRICS, NORMALIZATIONS, LisConfig, fallback_order, load_profile
 
-DEFAULT_DATA_FILE = "wikitext2-valid.txt"
 SWEEP_KS = (0, 1, 2, 4, 8, 16)
 RANDOM_SEEDS = (0, 1, 2)
 _LIS_DEFAULTS = LisConfig()  # the CLI's defaults are the library's
-
-
-def find_data_file(name: str = DEFAULT_DATA_FILE) -> Path:
-    """$ELASTIC_HF_DATA (a file, or a directory holding `name`), else shared/data/`name` in an ancestor of the
-    working directory or of this package (the project keeps its data in ../shared/data)."""
-    env = os.environ.get("ELASTIC_HF_DATA")
-    if env:
-        candidate = Path(env)
-        candidate = candidate / name if candidate.is_dir() else candidate
-        if candidate.is_file():
-            return candidate
-        raise FileNotFoundError(f"ELASTIC_HF_DATA={env!r} is neither {name} nor a directory containing it")
-    searched = []
-    for start in (Path.cwd(), Path(__file__).resolve().parent):
-        for parent in (start, *start.parents):
-            candidate = parent / "shared" / "data" / name
-            searched.append(str(candidate.parent))
-            if candidate.is_file():
-                return candidate
-    raise FileNotFoundError(f"no calibration text given and {name} was not found (set ELASTIC_HF_DATA or pass "
-                            f"--calib FILE); looked in: {', '.join(dict.fromkeys(searched))}")
 
 
 def default_out_path(checkpoint_dir: Path, model_id: str) -> Path:
@@ -64,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "every linear's input dimension); ignored for w8")
     parser.add_argument("--method", default="awq", help="how the quantization scales are chosen: awq or rtn")
     parser.add_argument("--calib", default=None,
-                        help=f"calibration text file (default: shared/data/{DEFAULT_DATA_FILE} found via "
-                             "$ELASTIC_HF_DATA or an ancestor directory)")
+                        help="calibration text file (default: the WikiText-2 validation text shipped in the package, "
+                             "elastic_hf/data/wikitext2-valid.txt)" + "%(default).0s")
     parser.add_argument("--samples", type=int, default=8, help="number of calibration sequences")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
     parser.add_argument("--seed", type=int, default=0, help="seed for the calibration windows (same seed, same profile)")
@@ -182,7 +160,7 @@ def _run(args) -> int:
     awq_config = AwqConfig(num_grid=args.awq_grid, seed=args.seed)
     if args.profile and not args.evaluate:
         raise ValueError("--profile only makes sense with --evaluate")
-    calib_path = Path(args.calib) if args.calib else find_data_file()
+    calib_path = Path(args.calib) if args.calib else default_calibration_text()
     eval_path = Path(args.eval_text) if args.eval_text else calib_path
 
     from elastic_hf.model.loader import load_model_and_tokenizer

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from elastic_hf.layers.quant_scheme import QuantScheme
-from elastic_hf.morph.lis import (LisConfig, calibration_batch, config_hash, fallback_order, load_profile,
-                                  profile_lis, term_scale)
-from elastic_hf.morph.perplexity import swapped_layers
 from elastic_hf.patches import get_adapter
+from elastic_hf.profiling.calibration import calibration_batch
+from elastic_hf.profiling.lis import profile_lis
+from elastic_hf.profiling.perplexity import swapped_layers
+from elastic_hf.profiling.profile_format import LisConfig, config_hash, fallback_order, load_profile, term_scale
 
 SCHEME = QuantScheme.create("w4", 32, "rtn")
 
