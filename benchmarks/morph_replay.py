@@ -63,13 +63,13 @@ class Recorder:
     def __init__(self, model):
         self.model = model
         self.rows: list[tuple[float, float, int, int]] = []
-        model.engine.step_boundary_hooks.append(self)
+        model.instances[0].engine.step_boundary_hooks.append(self)
 
     def __call__(self, engine):
         morph = self.model.morph
-        num_w4 = morph.counts()["w4"] if morph is not None else 0
+        num_w4 = morph.manager().counts()["w4"] if morph is not None else 0
         tokens = engine.metrics.generation_tokens._value.get()
-        self.rows.append((time.time(), tokens, num_w4, self.model.kv_pool.num_blocks))
+        self.rows.append((time.time(), tokens, num_w4, engine.scheduler.allocator.num_total))
 
     def tokens_by_w4_layers(self) -> dict[int, float]:
         """Tokens generated while k layers ran in W4 (a step's tokens count at the state before the step)."""
@@ -80,14 +80,14 @@ class Recorder:
 
 
 def load_model(kind: str, kv_bytes: int, max_model_len: int, device: str):
-    from elastic_hf.model.elastic_model import ElasticModel
+    from elastic_hf import ElasticModel
 
     if kind == "fp":
         return ElasticModel.from_pretrained(None, kv_cache_memory=kv_bytes, max_model_len=max_model_len,
                                             device=device)
     mode = "default" if kind == "morph" else "manual"
     model = ElasticModel.from_pretrained(None, kv_cache_memory=kv_bytes, max_model_len=max_model_len, morph=mode,
-                                         device=device, morph_options={"variants": {"precisions": ("w4",)}})
+                                         device=device, morph_options={"precisions": ("w4",)})
     if kind == "w4":
         model.morph.to_precision("all", "w4")
     return model
@@ -192,13 +192,13 @@ def main(argv=None) -> int:
                                        tpot_slo_s=args.tpot_slo, progress=False)
             if kind == "morph":  # load is gone: give the controller time to restore everything
                 deadline = time.time() + 30
-                while model.morph.counts()["fp"] < 30 and time.time() < deadline:
+                while model.morph.manager().counts()["fp"] < 30 and time.time() < deadline:
                     time.sleep(0.2)
         finally:
             server.stop()
         recorders[kind] = recorder
         state = model.morph.state() if model.morph is not None else None
-        print(f"\n[{kind}] KV blocks at end {model.kv_pool.num_blocks}"
+        print(f"\n[{kind}] KV blocks at end {model.instances[0].engine.scheduler.allocator.num_total}"
               + (f", swaps {state['swaps']}, mean swap latency {state['swap_latency_s_mean']} s" if state else ""))
         print(reports[kind].summary())
         del model, server

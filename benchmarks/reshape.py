@@ -1,4 +1,4 @@
-"""In-place TP transformation vs restart-based reconfiguration, same model, same requests, one run.
+"""In-place reshape (TP layout change) vs restart-based reconfiguration, same model, same requests, one run.
 
 In-place: a [1,1] deployment with requests mid-decode reshapes to [2] (MLP-first, KV migrated by head ranges, no
 weight copy) and back. Restart: stop the workers, start a [2] deployment (new processes, checkpoint reload, groups),
@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description, wikitext_prompts  # noqa: E402
 
+from elastic_hf import ElasticModel  # noqa: E402
 from elastic_hf.engine.sampling_params import SamplingParams  # noqa: E402
 from elastic_hf.parallel.deployment import Deployment  # noqa: E402
 
@@ -33,9 +34,9 @@ def _running_state(dep: Deployment) -> list[list[int]]:
     return [list(s.token_ids) for inst in dep.instances for r in inst.engine.requests.values() for s in r.seqs]
 
 
-def _throughput(dep: Deployment, prompts, max_new: int) -> float:
+def _throughput(model: ElasticModel, prompts, max_new: int) -> float:
     start = time.perf_counter()
-    outs = dep.generate(prompts, max_tokens=max_new, ignore_eos=True)
+    outs = model.generate(prompts, max_tokens=max_new, ignore_eos=True)
     elapsed = time.perf_counter() - start
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
@@ -53,17 +54,18 @@ def main() -> int:
     args = parser.parse_args()
 
     t0 = time.perf_counter()
-    dep = Deployment(args.model, num_workers=2, kv_cache_memory=args.kv_mib << 20)
+    model = ElasticModel.from_pretrained(args.model, workers=2, kv_cache_memory=args.kv_mib << 20)
+    dep = model.deployment
     start_s = time.perf_counter() - t0
     prompts = wikitext_prompts(dep.tokenizer, args.num_requests, args.min_prompt, args.max_prompt, seed=0)
     short = wikitext_prompts(dep.tokenizer, args.num_short, 16, 48, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=True)
     try:
-        dep.generate(short[:2], max_tokens=4)  # warm-up both instances
-        tput_tp1 = _throughput(dep, short, 32)
+        model.generate(short[:2], max_tokens=4)  # warm-up both instances
+        tput_tp1 = _throughput(model, short, 32)
 
         for p in prompts:
-            dep.add_request(p, params)
+            dep.add_request(None, p, params)
         _steps(dep, args.steps_before)
         state = _running_state(dep)
         live_tokens = sum(len(t) for t in state)
@@ -75,18 +77,19 @@ def main() -> int:
         while dep.has_unfinished_requests():
             dep.step()
         dep.reshape([2])
-        dep.generate(short[:2], max_tokens=4)  # warm-up of the TP2 instance
-        tput_tp2 = _throughput(dep, short, 32)
+        model.generate(short[:2], max_tokens=4)  # warm-up of the TP2 instance
+        tput_tp2 = _throughput(model, short, 32)
         dep.reshape([1, 1])
     finally:
-        dep.close()
+        model.close()
 
     # Restart-based: same running requests, same target topology [2].
     t0 = time.perf_counter()
-    restarted = Deployment(args.model, num_workers=2, topology=(2,), kv_cache_memory=args.kv_mib << 20)
+    restarted_model = ElasticModel.from_pretrained(args.model, workers=2, tp=2, kv_cache_memory=args.kv_mib << 20)
+    restarted = restarted_model.deployment
     try:
         resume = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        ids = [restarted.add_request(tokens, resume) for tokens in state]  # re-prefill prompt + generated tokens
+        ids = [restarted.add_request(None, tokens, resume) for tokens in state]  # re-prefill prompt + generated
         pending = set(ids)
         while pending:
             for out in restarted.step():
@@ -95,7 +98,7 @@ def main() -> int:
         restart_s = time.perf_counter() - t0
         reprefill = restarted.stats()["num_computed_prompt_tokens"]
     finally:
-        restarted.close()
+        restarted_model.close()
 
     kv = [s["kv"] for s in up.worker_stats]
     freed = [b["weights_bytes"] - a["weights_bytes"] for b, a in zip(before, after)]

@@ -19,8 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description, wikitext_prompts  # noqa: E402
 
+from elastic_hf import ElasticModel  # noqa: E402
+from elastic_hf.config import EngineConfig  # noqa: E402
+from elastic_hf.engine.routing import TPPolicy  # noqa: E402
 from elastic_hf.engine.sampling_params import SamplingParams  # noqa: E402
-from elastic_hf.engine.tp_policy import TPPolicy, TPPolicyConfig  # noqa: E402
 from elastic_hf.parallel.deployment import Deployment  # noqa: E402
 
 
@@ -44,7 +46,7 @@ def replay(dep: Deployment, trace, max_new: int) -> dict:
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
             t, prompt, _ = pending.pop(0)
-            rid = dep.add_request(prompt, params)
+            rid = dep.add_request(None, prompt, params)
             arrival[rid] = t
         outs = dep.step()
         now = time.perf_counter() - start
@@ -60,8 +62,8 @@ def replay(dep: Deployment, trace, max_new: int) -> dict:
     e2e = [finish[r] - arrival[r] for r in arrival]
     transforms = dep.reshapes[num_reshapes:]
     return {"throughput": tokens / makespan, "makespan": makespan, "ttft_mean": statistics.mean(ttft),
-            "e2e_p50": statistics.median(e2e), "num_transforms": sum(r.committed for r in transforms),
-            "transform_s": sum(r.seconds for r in transforms if r.committed)}
+            "e2e_p50": statistics.median(e2e), "num_reshapes": sum(r.committed for r in transforms),
+            "reshape_s": sum(r.seconds for r in transforms if r.committed)}
 
 
 def main() -> int:
@@ -75,8 +77,9 @@ def main() -> int:
     parser.add_argument("--kv-mib", type=int, default=16, help="KV MiB per worker as TP1: sets what is long")
     args = parser.parse_args()
 
-    dep = Deployment(args.model, num_workers=args.workers, kv_cache_memory=args.kv_mib << 20,
-                     max_num_batched_tokens=256)
+    model = ElasticModel.from_pretrained(args.model, workers=args.workers, kv_cache_memory=args.kv_mib << 20,
+                                         max_num_batched_tokens=256)
+    dep = model.deployment
     long_at = [args.duration * f for f in (0.15, 0.5, 0.6)]
     trace = make_trace(dep.tokenizer, args.duration, args.short_every, long_at, args.long_len)
     n = args.workers
@@ -89,19 +92,19 @@ def main() -> int:
         for name, tp_policy, start_topology in variants:
             dep.reshape(start_topology)
             router = name if tp_policy == "elastic" else "elastic"  # static: capacity-aware routing
-            dep.policy = TPPolicy(TPPolicyConfig(tp_policy, router), dep.degrees)
-            dep.generate(trace[0][1:2] * len(dep.instances), max_tokens=2)  # warm-up every instance
+            dep.policy = TPPolicy(EngineConfig(tp_policy=tp_policy, router=router), dep.degrees)
+            model.generate(trace[0][1:2] * len(dep.instances), max_tokens=2)  # warm-up every instance
             results[name] = replay(dep, trace, args.max_new_tokens)
             r = results[name]
             print(f"{name:>20}: {r['throughput']:6.1f} tok/s, makespan {r['makespan']:5.1f} s, TTFT mean "
-                  f"{r['ttft_mean']:5.2f} s, e2e p50 {r['e2e_p50']:5.2f} s, {r['num_transforms']} transforms "
-                  f"({r['transform_s'] * 1e3:.0f} ms)", flush=True)
+                  f"{r['ttft_mean']:5.2f} s, e2e p50 {r['e2e_p50']:5.2f} s, {r['num_reshapes']} reshapes "
+                  f"({r['reshape_s'] * 1e3:.0f} ms)", flush=True)
     finally:
-        dep.close()
+        model.close()
     num_long = len(long_at)
     print(f"machine: {machine_description()}; model {dep.model_id}; {n} worker processes; trace: "
           f"{len(trace) - num_long} short (24-96 tokens, every {args.short_every} s) + {num_long} long "
-          f"({args.long_len} tokens > one TP1 worker's {dep.tp1_blocks * dep.options.block_size} KV tokens), "
+          f"({args.long_len} tokens > one TP1 worker's {dep.tp1_blocks * dep.config.block_size} KV tokens), "
           f"{args.max_new_tokens} new tokens each")
     best_static = max(v["throughput"] for k, v in results.items() if k.startswith("static"))
     best_baseline = max(results["round_robin"]["throughput"], results["least_load"]["throughput"])

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Importing the model pulls in transformers; keep `import elastic_hf` (and `elastic-hf --help`) light.
     if name == "ElasticModel":
-        from elastic_hf.model.elastic_model import ElasticModel
+        from elastic_hf.elastic_model import ElasticModel
 
         return ElasticModel
     raise AttributeError(f"module 'elastic_hf' has no attribute {name!r}")

@@ -35,7 +35,7 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def default_model():
     """The embedded SmolLM2-135M-Instruct as an ElasticModel, shared by the tests that need a real model."""
-    from elastic_hf.model.elastic_model import ElasticModel
+    from elastic_hf import ElasticModel
 
     return ElasticModel.from_pretrained(kv_cache_memory=256 << 20)
 

@@ -16,18 +16,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from elastic_hf.engine.errors import EngineDeadError, EngineError
 from elastic_hf.engine.outputs import RequestOutput
+from elastic_hf.engine.protocol import EngineCore
 from elastic_hf.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """The engine failed while serving a request (not the caller's fault): HTTP 500, other requests continue."""
-
-
-class EngineDeadError(EngineError):
-    """The engine thread is not running (shut down, or never started)."""
 
 
 @dataclass(slots=True)
@@ -91,7 +85,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine, *, name: str = "elastic-hf-engine"):
+    def __init__(self, engine: EngineCore, *, name: str = "elastic-hf-engine"):
         self.engine = engine
         self._name = name
         self._cond = threading.Condition()
@@ -289,7 +283,7 @@ class AsyncEngine:
                 pass
 
     def _step(self) -> None:
-        steps_before = getattr(self.engine, "num_steps", None)
+        steps_before = self.engine.num_steps
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -300,7 +294,7 @@ class AsyncEngine:
             log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
             self._fail_all(EngineError(f"engine step failed: {self._last_error}"))
             return
-        if not outputs and steps_before is not None and getattr(self.engine, "num_steps", None) == steps_before:
+        if not outputs and self.engine.num_steps == steps_before:
             # Nothing was schedulable (e.g. every request waits for blocks): wait for a command instead of
             # spinning; the timeout retries in case the engine frees blocks on its own.
             with self._cond:

@@ -1,24 +1,47 @@
 """The step loop of one instance: requests in, one scheduled packed step at a time, RequestOutputs out.
-Not thread-safe: one thread drives it (AsyncEngine does this for the server)."""
+Not thread-safe: one thread drives it (AsyncEngine does this for the server; a deployment drives one engine per
+instance). The model behind it is a `Runner` (engine/step_plan.py): the engine never touches model tensors."""
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from elastic_hf.engine.detokenizer import Detokenizer
+from elastic_hf.engine.errors import InvalidRequest
 from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
 from elastic_hf.engine.sampler import make_sampler_state, sample
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import ScheduledSeq, Scheduler
-from elastic_hf.engine.sequence import Request, Sequence
-from elastic_hf.model.runner import ModelRunner, SeqStepInput
+from elastic_hf.engine.sequence import Request, Sequence, SeqStatus
+from elastic_hf.engine.step_plan import Runner, SeqStepInput
+from elastic_hf.units import ceil_div
+
+_RECENT_LATENCIES = 1024   # TTFT / TPOT samples kept for the next load snapshot
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """What a monitor (the morph controller) sees of one engine at a step boundary."""
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_waiting: int
+    num_running: int
+    queue_delay_s: float          # how long the oldest waiting request has waited
+    blocked_on_kv: bool           # the oldest waiting request cannot get its next chunk's KV blocks
+    ttft_s: list[float] = field(default_factory=list)   # first tokens since the previous snapshot
+    tpot_s: list[float] = field(default_factory=list)   # inter-token gaps since the previous snapshot
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, *, model_id: str, max_model_len: int,
-                 vocab_size: int, eos_token_ids: list[int], metrics: EngineMetrics | None = None):
+    def __init__(self, runner: Runner, scheduler: Scheduler, tokenizer, *, model_id: str, max_model_len: int,
+                 vocab_size: int, eos_token_ids: list[int], metrics: EngineMetrics | None = None,
+                 seq_ids: Iterator[int] | None = None):
+        """seq_ids: where sequence ids come from; engines that exchange sequences (the instances of a deployment)
+        share one counter so ids stay unique and keep meaning admission order."""
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -29,7 +52,7 @@ class LLMEngine:
         self.metrics = metrics or EngineMetrics(model_id)
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}
-        self._seq_counter = itertools.count()
+        self._seq_ids = seq_ids if seq_ids is not None else itertools.count()
         self.num_steps = 0
         self.num_computed_prompt_tokens = 0  # prefill work done, including recompute after preemption
         self._reported_preemptions = 0
@@ -39,6 +62,8 @@ class LLMEngine:
         # Work that needs step boundaries even with no requests (a swap in flight, layers to restore once the load
         # is gone): has_unfinished_requests() reports it, so a driver keeps calling step().
         self.idle_work_checks: list[Callable[[], bool]] = []
+        self._recent_ttft: deque[float] = deque(maxlen=_RECENT_LATENCIES)
+        self._recent_tpot: deque[float] = deque(maxlen=_RECENT_LATENCIES)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -49,11 +74,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         prompt_ids = self.tokenize(prompt)
         self._validate(prompt_ids, params)
         now = arrival_time if arrival_time is not None else time.time()
-        seqs = [Sequence(next(self._seq_counter), request_id, i, list(prompt_ids), len(prompt_ids), params, now)
+        seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_ids), len(prompt_ids), params, now)
                 for i in range(params.n)]
         for seq in seqs:
             seq.sampler_state = make_sampler_state(seq)
@@ -66,22 +91,26 @@ class LLMEngine:
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         num_prompt = len(prompt_ids)
         if num_prompt == 0:
-            raise ValueError("prompt is empty: it must contain at least one token")
+            raise InvalidRequest("prompt is empty: it must contain at least one token", param="prompt")
         if num_prompt > self.max_model_len:
-            raise ValueError(f"prompt has {num_prompt} tokens but max_model_len is {self.max_model_len}")
+            raise InvalidRequest(f"prompt has {num_prompt} tokens but max_model_len is {self.max_model_len}",
+                                 param="prompt", code="context_length_exceeded")
         if num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens exceeds "
-                             f"max_model_len={self.max_model_len}; ask for at most "
-                             f"{self.max_model_len - num_prompt} tokens")
+            raise InvalidRequest(f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens exceeds "
+                                 f"max_model_len={self.max_model_len}; ask for at most "
+                                 f"{self.max_model_len - num_prompt} tokens", param="max_tokens",
+                                 code="context_length_exceeded")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
+                                 param="prompt")
         allocator = self.scheduler.allocator
-        block_size = self.scheduler.config.block_size
-        blocks_needed = -(-(num_prompt + params.max_tokens) // block_size)
+        block_size = self.scheduler.block_size
+        blocks_needed = ceil_div(num_prompt + params.max_tokens, block_size)
         if blocks_needed > allocator.num_total:
-            raise ValueError(f"request needs {blocks_needed} KV blocks ({num_prompt} prompt + {params.max_tokens} "
-                             f"new tokens) but the KV cache holds {allocator.num_total} blocks of {block_size} tokens")
+            raise InvalidRequest(f"request needs {blocks_needed} KV blocks ({num_prompt} prompt + {params.max_tokens} "
+                                 f"new tokens) but the KV cache holds {allocator.num_total} blocks of {block_size} "
+                                 "tokens", param="max_tokens", code="context_length_exceeded")
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -132,8 +161,10 @@ class LLMEngine:
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.metrics.observe_ttft(now - request.arrival_time)
+                self._recent_ttft.append(now - request.arrival_time)
             elif request.last_token_time is not None:
                 self.metrics.observe_tpot(now - request.last_token_time)
+                self._recent_tpot.append(now - request.last_token_time)
             request.last_token_time = now
         outputs = [self._make_output(r) for r in touched.values()]
         self._update_gauges()
@@ -175,7 +206,45 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished,
                              request.arrival_time, request.first_token_time, request.finish_time)
 
+    # ------------------------------------------------------------------ requests moving between engines
+    def adopt(self, request: Request, block_ids: dict[int, list[int]]) -> None:
+        """Take over a request another engine ran (a reshape moves it here with its KV cache): block_ids maps
+        each of its sequences' seq_id to the blocks that now hold its cache in this engine's allocator. Nothing
+        is recomputed; the scheduler keeps admission order."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in this engine")
+        running, waiting = [], []
+        for seq in request.seqs:
+            if seq.seq_id in block_ids:
+                seq.block_ids = list(block_ids[seq.seq_id])
+            if seq.status is SeqStatus.RUNNING:
+                running.append(seq)
+            elif seq.status is SeqStatus.WAITING:
+                waiting.append(seq)
+        self.requests[request.request_id] = request
+        self.scheduler.adopt(running, waiting)
+
+    def preempt_running(self) -> int:
+        """Preempt every running sequence by recompute (its KV cache was lost, e.g. with a dead worker); the
+        oldest ends up first in the queue. Returns how many."""
+        running = list(self.scheduler.running)
+        for seq in reversed(running):
+            self.scheduler.preempt(seq)
+        return len(running)
+
     # ------------------------------------------------------------------ visibility
+    def load_snapshot(self) -> EngineLoad:
+        """KV use, queue and the TTFT / TPOT samples since the previous snapshot (which this call drains)."""
+        scheduler = self.scheduler
+        allocator = scheduler.allocator
+        head, blocked = scheduler.head_of_line()
+        delay = max(0.0, time.time() - head.arrival_time) if head is not None else 0.0
+        ttft, tpot = list(self._recent_ttft), list(self._recent_tpot)
+        self._recent_ttft.clear()
+        self._recent_tpot.clear()
+        return EngineLoad(allocator.num_used, allocator.num_total, len(scheduler.waiting), len(scheduler.running),
+                          delay, blocked, ttft, tpot)
+
     def _update_gauges(self) -> None:
         allocator = self.scheduler.allocator
         self.metrics.set_kv_blocks(allocator.num_used, allocator.num_total)

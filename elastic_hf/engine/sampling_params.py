@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic_hf.engine.errors import InvalidRequest
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -24,23 +26,26 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {self.temperature}",
+                                 param="temperature")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+            raise InvalidRequest(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}", param="top_k")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 disables), got {self.repetition_penalty}")
+            raise InvalidRequest(f"repetition_penalty must be > 0 (1 disables), got {self.repetition_penalty}",
+                                 param="repetition_penalty")
         if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise InvalidRequest(f"n must be an integer >= 1, got {self.n!r}", param="n")
         if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}", param="seed")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidRequest("stop strings must be non-empty", param="stop")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+            raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
+                                 param="stop_token_ids")
 
     @property
     def is_greedy(self) -> bool:

@@ -7,25 +7,13 @@ its generated tokens appended to its prompt, so no output is lost."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from elastic_hf.config import EngineConfig
 from elastic_hf.engine.sequence import Sequence, SeqStatus
 from elastic_hf.kv.block_allocator import BlockAllocator
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-
-    def __post_init__(self):
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+from elastic_hf.units import ceil_div
 
 
 @dataclass(slots=True)
@@ -40,8 +28,11 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
-        self.config = config
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator):
+        """Reads max_num_seqs, max_num_batched_tokens and block_size of the config."""
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_size = config.block_size
         self.allocator = allocator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -53,11 +44,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.config.block_size)
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks `seq` must still get for its next `num_new_tokens` tokens."""
+        total = ceil_div(seq.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, total - len(seq.block_ids))
 
-    def _preempt(self, seq: Sequence) -> None:
+    def head_of_line(self) -> tuple[Sequence | None, bool]:
+        """The oldest waiting sequence and whether it is blocked on KV blocks (its next chunk's blocks are not
+        free), as the morph monitor sees the queue."""
+        if not self.waiting:
+            return None, False
+        head = self.waiting[0]
+        chunk = min(head.num_uncomputed_tokens, self.max_num_batched_tokens)
+        return head, not self.allocator.can_allocate(self.blocks_needed(head, chunk))
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt a running sequence by recompute: free its blocks and put it first in the queue (its generated
+        tokens stay; they are prefilled again with the prompt)."""
         self.running.remove(seq)
         self.allocator.free(seq.block_ids)
         seq.block_ids = []
@@ -68,7 +71,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> list[ScheduledSeq]:
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
 
         # Running sequences first, oldest first: they already hold blocks and their users wait on tokens.
@@ -76,10 +79,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            needed = self._blocks_needed(seq, num_new)
+            needed = self.blocks_needed(seq, num_new)
             while not self.allocator.can_allocate(needed):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 if victim is seq:
                     break
             if seq.status is not SeqStatus.RUNNING:
@@ -91,10 +94,10 @@ class Scheduler:
 
         # Admit waiting sequences while the budget, the sequence cap and the free blocks allow. Never preempt for
         # a newcomer.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            needed = self._blocks_needed(seq, num_new)
+            needed = self.blocks_needed(seq, num_new)
             if not self.allocator.can_allocate(needed):
                 break
             self.waiting.popleft()
@@ -104,6 +107,15 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return scheduled
+
+    def adopt(self, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> None:
+        """Take over sequences that another scheduler ran (a reshape moves requests between instances). Both
+        queues stay in admission order (sequence ids grow with admission): older sequences run first and
+        preemption still hits the youngest. Their blocks must already be this scheduler's."""
+        self.running[:] = sorted([*self.running, *running], key=lambda s: s.seq_id)
+        merged = sorted([*self.waiting, *waiting], key=lambda s: s.seq_id)
+        self.waiting.clear()
+        self.waiting.extend(merged)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Release the sequence's blocks at once (finish, stop or cancel)."""

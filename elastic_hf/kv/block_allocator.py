@@ -28,6 +28,9 @@ class BlockAllocator:
     def num_used(self) -> int:
         return len(self._attached) - len(self._free)
 
+    def is_attached(self, block_id: int) -> bool:
+        return block_id in self._attached
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from elastic_hf.units import round_up
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
@@ -48,7 +50,7 @@ class KVLayout:
         whole chunks (one [block_size, head_dim] K or V slab) so the arena can be indexed as one
         [chunks, block_size, head_dim] tensor (and so also as [rows, head_dim])."""
         unit = math.lcm(self.page_size, self.chunk_bytes)
-        return -(-self.block_payload_bytes // unit) * unit
+        return round_up(self.block_payload_bytes, unit)
 
     @property
     def chunk_bytes(self) -> int:
@@ -75,14 +77,3 @@ class KVLayout:
     @property
     def block_numel(self) -> int:
         return self.block_bytes // self.itemsize
-
-    def head_range_bytes(self, num_heads: int) -> int:
-        """Bytes of `num_heads` KV heads of one block in one layer (the unit a migration moves)."""
-        return num_heads * 2 * self.block_size * self.head_dim * self.itemsize
-
-
-def kv_stride_order() -> tuple[int, ...]:
-    """Dimension order of a per-layer KV view, outermost first: (block, kv_head, K/V, token, head_dim).
-    The attention kernel gathers blocks on dim 0 and reads each head's tokens as one contiguous [token, head_dim]
-    matrix."""
-    return (0, 1, 2, 3, 4)

@@ -1,10 +1,11 @@
-"""KV pages in an arena. The arena reserves room for `max_blocks` blocks; only attached blocks are committed.
-Precision morphs attach (commit) and detach (decommit) blocks while requests run."""
+"""KV pages in an arena (the data plane's side of the KV cache). The arena reserves room for `max_blocks` blocks;
+only attached blocks are committed. Which blocks hold which sequence is the control plane's business (its
+BlockAllocator mirrors the attached ids); precision morphs attach (commit) and detach (decommit) blocks while
+requests run."""
 from __future__ import annotations
 
 import torch
 
-from elastic_hf.kv.block_allocator import BlockAllocator
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.memory.arena import PageArena
 
@@ -19,7 +20,7 @@ class KVPagePool:
         self.layout = layout
         self.arena = arena
         self.max_blocks = max_blocks
-        self.allocator = BlockAllocator()
+        self._attached: set[int] = set()
         # [max_blocks, block_numel]: the whole reserved range; only attached rows are ever touched.
         self._base = arena.view(0, (max_blocks, layout.block_numel), layout.dtype, require_committed=False)
         self._layer_views = [self._layer_view(i) for i in range(layout.num_layers)]
@@ -43,31 +44,40 @@ class KVPagePool:
 
     @property
     def num_blocks(self) -> int:
-        return self.allocator.num_total
+        return len(self._attached)
+
+    def attached_ids(self) -> list[int]:
+        return sorted(self._attached)
+
+    def is_attached(self, block_id: int) -> bool:
+        return block_id in self._attached
 
     @property
     def committed_bytes(self) -> int:
         return self.num_blocks * self.layout.block_bytes
 
     def attach_blocks(self, num_blocks: int) -> list[int]:
-        """Commit `num_blocks` unattached slots (lowest ids first) and make them allocatable."""
-        attached = self.allocator._attached
-        slots = [b for b in range(self.max_blocks) if b not in attached][:num_blocks]
+        """Commit `num_blocks` unattached slots (lowest ids first); returns their ids for the control plane's
+        allocator."""
+        slots = [b for b in range(self.max_blocks) if b not in self._attached][:num_blocks]
         if len(slots) < num_blocks:
-            raise ValueError(f"cannot attach {num_blocks} blocks: {self.max_blocks - len(attached)} slots left "
-                             f"of {self.max_blocks}")
+            raise ValueError(f"cannot attach {num_blocks} blocks: {self.max_blocks - len(self._attached)} slots "
+                             f"left of {self.max_blocks}")
         committed: list[int] = []
         try:
             for block_id in slots:
                 self.arena.commit(block_id * self.layout.block_bytes, self.layout.block_bytes)
                 committed.append(block_id)
         finally:
-            self.allocator.attach(committed)
+            self._attached.update(committed)
         return committed
 
-    def detach_blocks(self, num_blocks: int) -> list[int]:
-        """Decommit up to `num_blocks` free blocks (never live ones); returns the detached ids."""
-        block_ids = self.allocator.detach_free(num_blocks)
+    def detach_blocks(self, block_ids: list[int]) -> None:
+        """Decommit blocks the control plane detached from its allocator (free ones only: their pages go back to
+        the budget, and with them whatever they held)."""
+        unknown = [b for b in block_ids if b not in self._attached]
+        if unknown:
+            raise ValueError(f"blocks {unknown[:8]} are not attached ({len(self._attached)} attached)")
         for block_id in block_ids:
             self.arena.decommit(block_id * self.layout.block_bytes, self.layout.block_bytes)
-        return block_ids
+            self._attached.discard(block_id)

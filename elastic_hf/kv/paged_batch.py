@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic_hf.kv.page_pool import KVPagePool
+from elastic_hf.units import ceil_div
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ def _k_rows(pool: KVPagePool, block_table: torch.Tensor, positions: torch.Tensor
 def _decode_group(pool: KVPagePool, first_row: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
     lo = pool.layout
     num_seqs = len(tables)
-    max_blocks = -(-max(lens) // lo.block_size)
+    max_blocks = ceil_div(max(lens), lo.block_size)
     ctx_len = max_blocks * lo.block_size
     # Pad tables with the sequence's own first block: padded positions read valid (zeroed or written) memory
     # and are masked.
@@ -115,7 +116,7 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
                     mask &= k_pos > q_pos - sliding_window
             k_rows = None
             if num_computed > 0:  # earlier chunks live only in the cache
-                table = torch.tensor([block_ids[:-(-ctx_len // block_size)]])
+                table = torch.tensor([block_ids[:ceil_div(ctx_len, block_size)]])
                 k_rows = _k_rows(pool, table, torch.arange(ctx_len).unsqueeze(0)).flatten()
             prefills.append(PrefillSlice(row, num_new, ctx_len, k_rows, mask))
         row += num_new

@@ -105,18 +105,6 @@ def reference_layer(quantized: nn.Module) -> nn.Module:
     return reference
 
 
-def layer_nbytes(layer: nn.Module) -> int:
-    """Bytes of a (quantized or full-precision) decoder layer's weights, scales and norms."""
-    total = 0
-    for module in layer.modules():
-        if is_quant_linear(module):
-            total += module.nbytes
-            continue
-        for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
-            total += tensor.numel() * tensor.element_size()
-    return total
-
-
 def save_layer_variant(path: str | Path, quantized: nn.Module, layer_index: int, model_id: str = "") -> None:
     scheme: QuantScheme = quantized.quant_scheme
     state = {k: v.detach().contiguous().cpu() for k, v in quantized.state_dict().items()}

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from elastic_hf.units import round_up
+
 
 def split_units(num_units: int, tp: int) -> list[tuple[int, int]]:
     """[start, end) unit ranges of the `tp` ranks; uneven when tp does not divide num_units (the first ranks get
@@ -86,11 +88,11 @@ class PaddedLayout:
         offset = 0
         for start, end in zip(bounds, bounds[1:]):
             rows = (end - start) * self.unit_rows
-            nbytes = -(-(rows * row_bytes) // self.page_size) * self.page_size
+            nbytes = round_up(rows * row_bytes, self.page_size)
             stored = rows
             # Zero rows only where they fit the chunk's last page anyway: with 2 MiB pages and rows that do not
             # divide them, whole-row padding would cost many pages, and a gap (an extra GEMM) is cheaper.
-            padded = -(-rows // rows_align) * rows_align
+            padded = round_up(rows, rows_align)
             if self.zero_pad and (padded - rows) * row_bytes < self.page_size:
                 stored = padded
                 nbytes = padded * row_bytes
@@ -180,7 +182,7 @@ def padding_overhead(spec: ModelShardSpec, num_layers: int) -> dict:
     for kind in SHARDED_KINDS:
         lay = spec.layout(kind)
         padded += lay.nbytes
-        unpadded += -(-lay.payload_bytes // spec.page_size) * spec.page_size
+        unpadded += round_up(lay.payload_bytes, spec.page_size)
         payload += lay.payload_bytes
     padded, unpadded, payload = padded * num_layers, unpadded * num_layers, payload * num_layers
     return {"degrees": list(spec.degrees), "page_size": spec.page_size, "payload_bytes": payload,

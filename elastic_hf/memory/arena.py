@@ -13,7 +13,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from elastic_hf.memory.budget import MemoryBudget, format_bytes
+from elastic_hf.memory.budget import MemoryBudget
+from elastic_hf.units import format_bytes, round_up
 
 
 class PageArena(ABC):
@@ -32,7 +33,7 @@ class PageArena(ABC):
             raise ValueError("owner must be a non-empty ledger tag such as 'weights' or 'kv'")
         self.device = device
         self.page_size = page_size
-        self.capacity_bytes = _round_up(capacity_bytes, page_size)
+        self.capacity_bytes = round_up(capacity_bytes, page_size)
         self.owner = owner
         self.budget = budget
         self.num_pages = self.capacity_bytes // page_size
@@ -46,7 +47,7 @@ class PageArena(ABC):
     # ---- public API -------------------------------------------------------------------------------
 
     def round_up_to_page(self, nbytes: int) -> int:
-        return _round_up(nbytes, self.page_size)
+        return round_up(nbytes, self.page_size)
 
     @property
     def committed_bytes(self) -> int:
@@ -187,13 +188,7 @@ def round_up_to_page(nbytes: int, page_size: int) -> int:
     """Smallest multiple of page_size that holds nbytes."""
     if page_size <= 0:
         raise ValueError(f"page_size must be > 0, got {page_size}")
-    return _round_up(nbytes, page_size)
-
-
-def _round_up(nbytes: int, multiple: int) -> int:
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    return -(-nbytes // multiple) * multiple
+    return round_up(nbytes, page_size)
 
 
 def _runs(bitmap: bytearray, first: int, end: int, value: int) -> list[tuple[int, int]]:

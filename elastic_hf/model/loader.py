@@ -97,6 +97,23 @@ def load_hf_model(checkpoint_dir: Path, dtype: torch.dtype = torch.float32, attn
     return model, tokenizer
 
 
+def eos_token_ids(checkpoint_dir: Path, tokenizer=None) -> list[int]:
+    """Every token that ends a generation: the generation config's EOS ids (several for some chat models), else the
+    model config's, plus the tokenizer's EOS token."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(checkpoint_dir).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    if eos is None:
+        eos = getattr(AutoConfig.from_pretrained(checkpoint_dir), "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
 def load_model_and_tokenizer(name_or_path=None, dtype=None, attn_implementation: str = "sdpa"):
     """Convenience for tools (profiler, benchmarks): resolve + load. Returns (model, tokenizer, ResolvedModel)."""
     resolved = resolve_model(name_or_path)

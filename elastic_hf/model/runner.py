@@ -1,8 +1,8 @@
-"""Data plane of a TP-1 worker: turns a scheduled step into one packed varlen forward of the HF model and
-returns the logits of the sequences that sample this step."""
+"""Data plane of one worker: turns a scheduled step into one packed varlen forward of the HF model and returns the
+logits of the sequences that sample this step. It implements the engine's Runner protocol; a step's inputs are the
+engine's SeqStepInput records (engine/step_plan.py: token_ids, num_computed, block_ids, needs_logits), read by
+attribute so this lower package does not import the engine."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -11,23 +11,16 @@ from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_batch import build_paged_batch, is_batched_decode
 
 
-@dataclass(slots=True)
-class SeqStepInput:
-    token_ids: list[int]   # the new tokens of this step (a prefill chunk, or the one last token when decoding)
-    num_computed: int      # tokens already in the KV cache
-    block_ids: list[int]
-    needs_logits: bool     # last chunk of a prefill, or a decode
-
-
 class ModelRunner:
-    def __init__(self, model: nn.Module, pool: KVPagePool, sliding_window: int | None = None):
+    def __init__(self, model: nn.Module, pool: KVPagePool | None, sliding_window: int | None = None):
+        """pool: None until the worker's KV pool exists (a deployment sizes it after start)."""
         self.model = model
         self.pool = pool
         self.sliding_window = sliding_window
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
-    def execute(self, inputs: list[SeqStepInput]) -> torch.Tensor:
+    def execute(self, inputs: list) -> torch.Tensor:
         """Returns logits [num_sampling_seqs, vocab] (fp32) in the order of the inputs that need logits."""
         # Decodes go first in the packed batch: their rows are then one contiguous slice, which the attention
         # reads and writes as views instead of gathers and scatters.

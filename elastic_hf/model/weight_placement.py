@@ -7,7 +7,11 @@ for that variant) are reserved virtual space only: a precision morph commits a s
 switches the layer to it and decommits the fp region, so the freed pages can become KV blocks. One slot per
 precision (not one shared slot) lets a W8 layer move to W4 without ever writing over the bytes a forward pass is
 reading and without a detour through full precision. Without slots (`slot_bytes=None`) the layout is the plain
-one of a model that never morphs."""
+one of a model that never morphs.
+
+`PlacedWeights` is the weights object of a single-worker instance; a tensor-parallel worker uses
+parallel/shard_transform.ShardedWeights instead. Both answer the same questions: committed bytes, the bytes of a
+TP shard, and (for precision morphing) each layer's fp region and quant slots."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,7 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from elastic_hf.memory import MemoryBudget, create_arena
 from elastic_hf.memory.arena import PageArena
+from elastic_hf.units import round_up
 
 
 @dataclass(slots=True)
@@ -47,7 +53,7 @@ def _unique_params(module: nn.Module, exclude: set[int]) -> list[nn.Parameter]:
     return params
 
 
-def _param_groups(model: nn.Module, layers: nn.ModuleList) -> tuple[list[nn.Parameter], list[list[nn.Parameter]]]:
+def param_groups(model: nn.Module, layers: nn.ModuleList) -> tuple[list[nn.Parameter], list[list[nn.Parameter]]]:
     """(shared params, params of each decoder layer), each parameter once: the layers claim theirs first, the
     shared range gets what is left (embeddings, final norm, LM head if untied)."""
     seen: set[int] = set()
@@ -55,16 +61,16 @@ def _param_groups(model: nn.Module, layers: nn.ModuleList) -> tuple[list[nn.Para
     return _unique_params(model, seen), layer_params
 
 
-def _aligned(nbytes: int, alignment: int = 64) -> int:
-    return -(-nbytes // alignment) * alignment
+TENSOR_ALIGNMENT = 64  # every tensor starts on a cache line (and on any dtype's itemsize)
 
 
-def _range_bytes(params: list[nn.Parameter]) -> int:
-    return sum(_aligned(p.numel() * p.element_size()) for p in params)
+def param_range_bytes(params: list[nn.Parameter]) -> int:
+    """Bytes of `params` packed back to back at TENSOR_ALIGNMENT."""
+    return sum(round_up(p.numel() * p.element_size(), TENSOR_ALIGNMENT) for p in params)
 
 
 def _round_up(nbytes: int, page_size: int) -> int:
-    return -(-max(nbytes, 1) // page_size) * page_size
+    return round_up(max(nbytes, 1), page_size)  # an empty range still gets its own page
 
 
 def _slot_extent(slot_bytes: dict[str, int] | None, page_size: int) -> int:
@@ -75,16 +81,17 @@ def weights_capacity_bytes(model: nn.Module, layers: nn.ModuleList, page_size: i
                            slot_bytes: list[dict[str, int]] | None = None) -> int:
     """Arena bytes needed: the shared range plus, per layer, its quant slots and its page-rounded fp region.
     slot_bytes[i] maps a precision name to the payload bytes of layer i's variant."""
-    shared_params, layer_params = _param_groups(model, layers)
-    total = _round_up(_range_bytes(shared_params), page_size)
+    shared_params, layer_params = param_groups(model, layers)
+    total = _round_up(param_range_bytes(shared_params), page_size)
     for i, params in enumerate(layer_params):
         total += _slot_extent(slot_bytes[i] if slot_bytes else None, page_size)
-        total += _round_up(_range_bytes(params), page_size)
+        total += _round_up(param_range_bytes(params), page_size)
     return total
 
 
-def _place(params: list[nn.Parameter], arena: PageArena, offset: int) -> ArenaRange:
-    payload = _range_bytes(params)
+def place_params(params: list[nn.Parameter], arena: PageArena, offset: int) -> ArenaRange:
+    """Commit a page-rounded range at `offset` and make `params` zero-copy views of it (their values copied)."""
+    payload = param_range_bytes(params)
     nbytes = _round_up(payload, arena.page_size)
     arena.commit(offset, nbytes)
     cursor = offset
@@ -92,7 +99,7 @@ def _place(params: list[nn.Parameter], arena: PageArena, offset: int) -> ArenaRa
         view = arena.view(cursor, tuple(p.shape), p.dtype)
         view.copy_(p.data)
         p.data = view
-        cursor += _aligned(p.numel() * p.element_size())
+        cursor += round_up(p.numel() * p.element_size(), TENSOR_ALIGNMENT)
     return ArenaRange(offset, nbytes, payload)
 
 
@@ -101,8 +108,8 @@ def place_weights(model: nn.Module, layers: nn.ModuleList, arena: PageArena,
                   slot_bytes: list[dict[str, int]] | None = None) -> WeightPlacement:
     if slot_bytes is not None and len(slot_bytes) != len(layers):
         raise ValueError(f"slot_bytes has {len(slot_bytes)} entries for {len(layers)} decoder layers")
-    shared_params, layer_params = _param_groups(model, layers)
-    shared = _place(shared_params, arena, 0)
+    shared_params, layer_params = param_groups(model, layers)
+    shared = place_params(shared_params, arena, 0)
     placement = WeightPlacement(shared)
     offset = shared.nbytes
     for i, params in enumerate(layer_params):
@@ -111,7 +118,7 @@ def place_weights(model: nn.Module, layers: nn.ModuleList, arena: PageArena,
             extent = _round_up(payload, arena.page_size)
             slots[precision] = ArenaRange(offset, extent, payload)  # reserved, not committed
             offset += extent
-        r = _place(params, arena, offset)
+        r = place_params(params, arena, offset)
         placement.layers.append(r)
         placement.slots.append(slots)
         offset += r.nbytes
@@ -123,3 +130,40 @@ def place_weights(model: nn.Module, layers: nn.ModuleList, arena: PageArena,
             arena.commit(slot.offset, slot.nbytes)
             arena.decommit(slot.offset, slot.nbytes)
     return placement
+
+
+class PlacedWeights:
+    """The weights of a single-worker instance in one arena: a shared range plus one page-aligned range per decoder
+    layer (with reserved quant slots when the instance morphs)."""
+
+    def __init__(self, arena: PageArena, placement: WeightPlacement):
+        self.arena = arena
+        self.placement = placement
+
+    @classmethod
+    def place(cls, model: nn.Module, layers: nn.ModuleList, budget: MemoryBudget, device: torch.device,
+              page_size: int, slot_bytes: list[dict[str, int]] | None = None) -> "PlacedWeights":
+        capacity = weights_capacity_bytes(model, layers, page_size, slot_bytes)
+        # Transparent huge pages: weights are read in full every step (fewer TLB misses, faster load).
+        arena = create_arena(device, capacity, budget, "weights", page_size, huge_pages=True)
+        try:
+            return cls(arena, place_weights(model, layers, arena, slot_bytes))
+        except BaseException:
+            arena.close()
+            raise
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.arena.committed_bytes
+
+    def shard_bytes(self, tp: int, rank: int) -> int:
+        """Committed bytes as shard (tp, rank): a single worker only runs TP1, with every fp region committed."""
+        if (tp, rank) != (1, 0):
+            raise ValueError(f"a single-worker instance runs at TP1 only, got tp={tp} rank={rank}")
+        return self.placement.committed_bytes
+
+    def fp_region(self, layer: int) -> ArenaRange:
+        return self.placement.layers[layer]
+
+    def slot(self, layer: int, precision: str) -> ArenaRange:
+        return self.placement.slots[layer][precision]

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from elastic_hf.config import CONTROLLER_MODES, MODE_PRECISION
 from elastic_hf.morph.monitor import MonitorView, ServingMonitor, ServingSample
 
-MODES = ("accuracy", "default", "performance")
 PRECISION_RANK = {"fp": 0, "w8": 1, "w4": 2}   # higher = fewer bytes
 
 
@@ -58,12 +58,12 @@ class ControllerConfig:
 
     @classmethod
     def for_mode(cls, mode: str, **overrides) -> "ControllerConfig":
-        if mode not in MODES:
-            raise ValueError(f"morph mode {mode!r} is unknown; allowed: {', '.join(MODES)}")
+        if mode not in CONTROLLER_MODES:
+            raise ValueError(f"morph mode {mode!r} is unknown; allowed: {', '.join(CONTROLLER_MODES)}")
         presets = {
             # accuracy: act late, one layer at a time, never below INT8
             "accuracy": dict(kv_use_threshold=0.95, queue_delay_threshold_s=0.25, persistence_steps=8,
-                             layers_per_step=1, precision="w8", restore_kv_use=0.7),
+                             layers_per_step=1, precision=MODE_PRECISION["accuracy"], restore_kv_use=0.7),
             # default: MorphServe's thresholds (KV > 85 %, queue delay > 100 ms)
             "default": dict(),
             # performance: act early and in bigger steps, INT4

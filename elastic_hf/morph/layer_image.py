@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from elastic_hf.memory.arena import PageArena
+from elastic_hf.units import round_up
 
 _ALIGN = 64  # every tensor starts on a cache line (and on any dtype's itemsize)
 
@@ -36,7 +37,7 @@ class LayerImage:
 
 
 def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+    return round_up(nbytes, _ALIGN)
 
 
 def tensor_specs(module: nn.Module) -> list[TensorSpec]:

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from torch import nn
 
+from elastic_hf.config import MorphConfig
 from elastic_hf.memory.arena import PageArena
-from elastic_hf.model.weight_placement import WeightPlacement
 from elastic_hf.morph.layer_image import LayerImage, bind_to_arena, build_image, image_of_range
-from elastic_hf.morph.variant_builder import PRECISIONS, VariantConfig, build_variants
+from elastic_hf.morph.variant_builder import PRECISIONS, build_variants
+from elastic_hf.units import round_up
 
 
 def _share_config(variant: nn.Module, original: nn.Module) -> None:
@@ -47,10 +48,16 @@ class LayerStore:
         self._bound = False
 
     @classmethod
-    def build(cls, model: nn.Module, adapter, layers: nn.ModuleList, tokenizer, config: VariantConfig,
+    def build(cls, model: nn.Module, adapter, layers: nn.ModuleList, config: MorphConfig,
               checkpoint_dir: Path | None, model_id: str = "") -> "LayerStore":
         pin = next(layers[0].parameters()).device.type == "cuda"
-        return cls(layers, build_variants(model, adapter, layers, tokenizer, config, checkpoint_dir, model_id), pin)
+        return cls(layers, build_variants(model, adapter, layers, config, checkpoint_dir, model_id), pin)
+
+    def headroom_bytes(self, page_size: int) -> int:
+        """The largest quant slot, page-rounded: kept uncommitted so a swap to a quantized variant can always
+        start, even when every KV block is in use (exactly when morphing is needed)."""
+        largest = max(max(slots.values()) for slots in self.slot_bytes())
+        return round_up(largest, page_size)
 
     # ---- sizes (before placement) ----
     def slot_bytes(self) -> list[dict[str, int]]:
@@ -58,15 +65,16 @@ class LayerStore:
         return [{p: self._images[p][i].nbytes for p in self.precisions if p != "fp"} for i in range(self.num_layers)]
 
     # ---- after placement ----
-    def bind(self, arena: PageArena, placement: WeightPlacement) -> None:
+    def bind(self, arena: PageArena, weights) -> None:
         """Capture the fp images from the placed fp regions and re-bind the quantized modules to their slots
-        (the quantized modules' own host tensors are dropped here: the images hold their bytes)."""
+        (the quantized modules' own host tensors are dropped here: the images hold their bytes). weights: the
+        worker's PlacedWeights or ShardedWeights (fp_region(layer), slot(layer, precision))."""
         for i in range(self.num_layers):
-            region = placement.layers[i]
+            region = weights.fp_region(i)
             data = image_of_range(arena, region.offset, region.payload_bytes, self.pin)
             self._images["fp"][i] = LayerImage([], data)
             for precision in self.precisions[1:]:
-                slot = placement.slots[i][precision]
+                slot = weights.slot(i, precision)
                 image = self._images[precision][i]
                 if slot.payload_bytes != image.nbytes:
                     raise ValueError(f"layer {i} {precision} slot holds {slot.payload_bytes} bytes, image has "

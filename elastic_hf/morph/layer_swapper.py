@@ -19,7 +19,7 @@ from torch import nn
 
 from elastic_hf.memory.arena import PageArena
 from elastic_hf.memory.budget import MemoryBudgetExceeded
-from elastic_hf.model.weight_placement import ArenaRange, WeightPlacement
+from elastic_hf.model.weight_placement import ArenaRange
 from elastic_hf.morph.copier import CopyHandle
 from elastic_hf.morph.layer_store import LayerStore
 
@@ -56,14 +56,15 @@ class SwapCounters:
 
 
 class LayerSwapper:
-    def __init__(self, layers: nn.ModuleList, store: LayerStore, arena: PageArena, placement: WeightPlacement,
-                 copier, make_room: Callable[[int, bool], bool]):
-        """make_room(nbytes, keep_headroom) -> True once the budget has nbytes free (the KV resizer detaches free
-        blocks, never live ones)."""
+    def __init__(self, layers: nn.ModuleList, store: LayerStore, arena: PageArena, weights, copier,
+                 make_room: Callable[[int, bool], bool]):
+        """weights: PlacedWeights or ShardedWeights (fp_region(layer), slot(layer, precision)). make_room(nbytes,
+        keep_headroom) -> True when the budget has nbytes free now (with the headroom still free after it when
+        keep_headroom); a swap that does not fit waits (the control plane detaches free KV blocks for it)."""
         self.layers = layers
         self.store = store
         self.arena = arena
-        self.placement = placement
+        self.weights = weights
         self.copier = copier
         self.make_room = make_room
         self.precision = ["fp"] * store.num_layers   # what each layer runs now
@@ -108,7 +109,7 @@ class LayerSwapper:
 
     # ---- the state machine ----
     def region(self, layer: int, precision: str) -> ArenaRange:
-        return self.placement.layers[layer] if precision == "fp" else self.placement.slots[layer][precision]
+        return self.weights.fp_region(layer) if precision == "fp" else self.weights.slot(layer, precision)
 
     def poll(self) -> list[SwapRecord]:
         """Switch layers whose copy finished, then start queued swaps. Call only at a step boundary."""

@@ -1,11 +1,12 @@
-"""MorphManager (`ElasticModel.morph`): the morphing executor of one engine. At every step boundary it applies
-forced morphs, switches layers whose copies finished, asks the controller (if any) for a decision, starts the
-swaps, and grows the KV cache with the bytes the weights gave up.
+"""MorphManager: the control plane of precision morphing for one worker's TP-1 instance (`ElasticModel.morph`,
+`/admin/morph`). At every step boundary of that instance's engine it asks the controller (if any) for a decision,
+sends swaps and detached KV blocks to the worker's MorphExecutor as a MorphCommand, and attaches the blocks the
+worker committed to the engine's allocator. With nothing to do it sends nothing: a boundary costs no RPC.
 
-Threads: everything that touches the model runs on the thread that drives `engine.step()`. With no driver
-(offline use, the caller's own thread steps the engine) `to_precision` executes at once in the caller's
-thread, which is a step boundary by construction. With a driver (the server's engine thread),
-`attach_driver(wake)` makes `to_precision` queue the change, wake the engine, and wait for it."""
+Threads: everything that touches the worker runs on the thread that drives `engine.step()`. With no driver
+(offline use: the caller's thread steps the engine) `to_precision` runs at once in the caller's thread, which is a
+step boundary by construction. With a driver (the server's engine thread), `attach_driver(wake)` makes
+`to_precision` queue the change, wake the engine, and wait for it."""
 from __future__ import annotations
 
 import logging
@@ -15,51 +16,74 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from elastic_hf.morph.controller import MorphController, MorphDecision
-from elastic_hf.morph.kv_resizer import KVResizer
-from elastic_hf.morph.layer_swapper import LayerSwapper, SwapRecord
+from elastic_hf.morph.executor import MorphCommand, MorphInfo, MorphReport
+from elastic_hf.morph.layer_swapper import SwapRecord
+from elastic_hf.morph.metrics import MorphMetrics
 from elastic_hf.morph.monitor import ServingSample
+from elastic_hf.units import ceil_div
 
 log = logging.getLogger(__name__)
 
+MAX_OFFLINE_SYNCS = 10_000   # bound on the offline swap loop (each round waits for copies, so this is never hit)
+
 
 class MorphManager:
-    def __init__(self, engine, swapper: LayerSwapper, resizer: KVResizer, controller: MorphController | None,
-                 mode: str, order: list[int], metrics=None):
-        self.engine = engine
-        self.swapper = swapper
-        self.resizer = resizer
-        self.controller = controller
+    def __init__(self, send: Callable, worker: int, info: MorphInfo, mode: str, order: list[int],
+                 controller: MorphController | None, metrics: MorphMetrics | None = None):
+        """send(method, *args): the RPC entry point of the worker ("morph.sync", MorphCommand) -> MorphReport."""
+        self.send = send
+        self.worker = worker
+        self.info = info
         self.mode = mode
         self.order = list(order)
+        self.controller = controller
         self.metrics = metrics
-        self.num_layers = swapper.store.num_layers
-        # Guards swapper/controller state between the engine thread (boundaries) and callers of state() and
-        # to_precision() on other threads (the admin API).
+        self.num_layers = info.num_layers
+        self.engine = None                 # the LLMEngine of the worker's instance while it is TP1
+        # Guards the cached report and the forced queue between the driver thread (boundaries) and callers of
+        # state() and to_precision() on other threads (the admin API).
         self._lock = threading.RLock()
         self._done = threading.Condition(self._lock)
         self._forced: list[tuple[list[int], str]] = []
         self._wake: Callable[[], None] | None = None
-        self._ttft_seen: set[str] = set()
-        self._last_token: dict[str, float] = {}
+        self._report: MorphReport | None = None
+        self.num_attached = 0              # KV blocks attached / detached by morphs (cumulative)
+        self.num_detached = 0
         self.recent_swaps: deque[SwapRecord] = deque(maxlen=64)
         self.decisions: deque[tuple[float, MorphDecision]] = deque(maxlen=64)
         # (time, kv blocks attached, layers per precision) whenever it changes: the benchmark's timeline plot.
         self.timeline: list[tuple[float, int, dict[str, int]]] = []
         self.boundary_error: str | None = None
+        if metrics is not None:
+            metrics.set_host_store(worker, info.host_store["host_bytes"])
+
+    # ------------------------------------------------------------------ wiring
+    def bind(self, engine) -> None:
+        """Serve the instance `engine` drives (None: the worker's instance is not TP1, morphing pauses)."""
+        if self.engine is not None:
+            self.engine.step_boundary_hooks.remove(self.on_step_boundary)
+            self.engine.idle_work_checks.remove(self.has_pending_work)
+        self.engine = engine
+        if engine is None:
+            return
         engine.step_boundary_hooks.append(self.on_step_boundary)
         engine.idle_work_checks.append(self.has_pending_work)
+        with self._lock:
+            self._sync([])
         self._record_timeline()
-        self._publish()
 
-    # ------------------------------------------------------------------ control API
     def attach_driver(self, wake: Callable[[], None]) -> None:
         """Another thread drives engine.step() from now on; wake() makes it run a step boundary soon."""
         self._wake = wake
 
+    @property
+    def allocator(self):
+        return self.engine.scheduler.allocator
+
+    # ------------------------------------------------------------------ control API
     def _validate(self, layers: int | Iterable[int] | str, precision: str) -> list[int]:
-        store = self.swapper.store
-        if precision not in store.precisions:
-            raise ValueError(f"precision {precision!r} is unknown; allowed: {', '.join(store.precisions)}")
+        if precision not in self.info.precisions:
+            raise ValueError(f"precision {precision!r} is unknown; allowed: {', '.join(self.info.precisions)}")
         if layers == "all":
             return list(range(self.num_layers))
         if isinstance(layers, int):
@@ -81,11 +105,14 @@ class MorphManager:
         With a driver attached, do not call it with wait=True from the driver's own thread (a step hook): the
         change is applied by that thread's next step boundary."""
         layers = self._validate(layers, precision)
+        if self.engine is None:
+            raise ValueError(f"worker {self.worker}'s instance is not TP1: precision morphing runs on TP-1 instances; "
+                             "reshape it back first")
         if self.controller is not None:
             self.controller.enabled = bool(controller)
         if self._wake is None:
             with self._lock:
-                self._apply_now(layers, precision)
+                self._drive_offline([(layers, precision)])
             return self.state()
         with self._lock:
             self._forced.append((layers, precision))
@@ -103,6 +130,13 @@ class MorphManager:
                         raise RuntimeError(f"morph failed on the engine thread: {self.boundary_error}")
         return self.state()
 
+    def restore_now(self) -> dict:
+        """Every layer back to fp at once, in the calling thread, which must be the driver's at a step boundary
+        (a reshape's quiesce point). A restore that needs KV blocks still in use stays pending. Returns state()."""
+        with self._lock:
+            self._drive_offline([(list(range(self.num_layers)), "fp")])
+            return self._state()
+
     def set_controller(self, enabled: bool) -> None:
         if self.controller is None:
             raise ValueError(f"morph mode {self.mode!r} has no automatic controller; load with morph='default', "
@@ -114,37 +148,69 @@ class MorphManager:
     def _reached(self, layers: list[int], precision: str) -> bool:
         if self._forced:
             return False
-        if any(self.swapper.precision[i] != precision for i in layers):
+        report = self._report
+        if any(report.precisions[i] != precision for i in layers):
             # Pending only because it waits for live KV blocks: do not block the caller on other requests.
-            return self.swapper.waiting_for_room and not self.swapper.in_flight()
+            return self._waits_for_live_blocks(report)
         return True
 
-    def _apply_now(self, layers: list[int], precision: str) -> None:
-        for layer in layers:
-            self.swapper.request(layer, precision)
-        self._drive_swaps()
+    def _waits_for_live_blocks(self, report: MorphReport) -> bool:
+        return (report.room_needed_bytes > 0 and not report.in_flight
+                and not self._can_detach(report.room_needed_bytes))
 
-    def _drive_swaps(self) -> None:
-        """Run the swap state machine to completion in this thread (no forward can run meanwhile)."""
-        while True:
-            self._on_records(self.swapper.poll())
-            if not self.swapper.waiting_for_room:
-                self.resizer.grow()
-            if not self.swapper.in_flight():
-                if not self.swapper.busy or self.swapper.waiting_for_room:
-                    break
-            self.swapper.wait_copies()
+    def _drive_offline(self, requests: list[tuple[list[int], str]]) -> None:
+        """Run the swaps to completion in this thread (no forward can run meanwhile)."""
+        report = self._sync(requests)
+        for _ in range(MAX_OFFLINE_SYNCS):
+            if not report.busy or self._waits_for_live_blocks(report):
+                break  # done, or waiting for KV blocks that are still in use
+            report = self._sync([], wait_copies=report.in_flight)
         self._record_timeline()
+
+    # ------------------------------------------------------------------ the worker round trip
+    def _blocks_for(self, nbytes: int) -> int:
+        return ceil_div(nbytes, self.info.block_bytes)
+
+    def _can_detach(self, nbytes: int) -> bool:
+        return self.allocator.num_free >= self._blocks_for(nbytes)
+
+    def _sync(self, requests: list[tuple[list[int], str]], wait_copies: bool = False) -> MorphReport:
+        """One MorphCommand, and a second one at once when a swap reported that it waits for room the free KV
+        blocks can give: those are detached (all or nothing: shrinking the cache for a swap that still cannot start
+        only hurts) and sent, so the swap starts at this boundary like on a single process."""
+        report = self._send(requests, [], wait_copies)
+        needed = report.room_needed_bytes
+        if needed > 0 and self._can_detach(needed):
+            detach = self.allocator.detach_free(self._blocks_for(needed))
+            self.num_detached += len(detach)
+            report = self._send([], detach, False)
+        return report
+
+    def _send(self, requests, detach: list[int], wait_copies: bool) -> MorphReport:
+        report = self.send("morph.sync", MorphCommand(list(requests), detach, wait_copies))
+        if report.attached_block_ids:
+            self.allocator.attach(report.attached_block_ids)
+            self.num_attached += len(report.attached_block_ids)
+        self._report = report
+        for record in report.records:
+            self.recent_swaps.append(record)
+            if self.metrics is not None:
+                self.metrics.on_swap(self.worker, record)
+        if report.records or report.attached_block_ids or detach:
+            self._record_timeline()
         self._publish()
+        return report
 
     # ------------------------------------------------------------------ step boundary
     def has_pending_work(self) -> bool:
         """True while the engine should keep stepping without requests: swaps in flight, forced changes, or
         layers below fp that the controller may restore once the load is gone."""
-        if self._forced or self.swapper.busy:
+        report = self._report
+        if self._forced or (report is not None and report.busy):
             return True
         controller = self.controller
-        return controller is not None and controller.enabled and any(p != "fp" for p in self.swapper.precision)
+        return (controller is not None and controller.enabled and report is not None
+                and any(p != "fp" for p in report.precisions))
 
     def on_step_boundary(self, engine) -> None:
         with self._done:
@@ -154,97 +220,58 @@ class MorphManager:
     def _boundary(self, engine) -> None:
         try:
             forced, self._forced = self._forced, []
-            for layers, precision in forced:
-                for layer in layers:
-                    self.swapper.request(layer, precision)
-            self._on_records(self.swapper.poll())
+            report = self._report
+            if forced or report.busy:
+                # With no request waiting on this engine, wait for running copies instead of spinning idle steps
+                # (which would also starve the copy thread of the GIL).
+                report = self._sync(forced, wait_copies=report.in_flight and not engine.requests)
             if self.controller is not None:
-                # Only running copies count as busy: a restore that waits for KV blocks must not freeze the controller
-                # (if pressure returns, the controller re-targets that layer and the restore is dropped).
-                decision = self.controller.decide(self.sample(engine), self._targets(),
-                                                  bool(self.swapper.in_flight()))
+                # Only running copies count as busy: a restore that waits for KV blocks must not freeze the
+                # controller (if pressure returns, the controller re-targets that layer and the restore is dropped).
+                decision = self.controller.decide(self.sample(engine), report.targets, report.in_flight)
                 if decision is not None:
-                    self._execute(decision)
-                    self._on_records(self.swapper.poll())
-            if not self.swapper.waiting_for_room:
-                if self.resizer.grow():
-                    self._record_timeline()
-            self._publish()
+                    self._log_decision(decision)
+                    self._sync([(decision.layers, decision.precision)])
         except Exception as exc:
             # A failed morph must not fail the step: the model is consistent (a layer switches only after its
             # copy finished), requests keep running, and the error is reported in state() and the log.
             self.boundary_error = f"{type(exc).__name__}: {exc}"
-            log.exception("morph step boundary failed")
+            log.exception("morph step boundary failed on worker %d", self.worker)
 
-    def _targets(self) -> list[str]:
-        return [self.swapper.target(i) for i in range(self.num_layers)]
-
-    def _execute(self, decision: MorphDecision) -> None:
-        log.info("morph controller: %s layers %s -> %s (%s)", decision.kind, decision.layers, decision.precision,
-                 decision.reason)
+    def _log_decision(self, decision: MorphDecision) -> None:
+        log.info("morph controller (worker %d): %s layers %s -> %s (%s)", self.worker, decision.kind,
+                 decision.layers, decision.precision, decision.reason)
         self.decisions.append((time.time(), decision))
         if self.metrics is not None:
-            self.metrics.decisions.labels(kind=decision.kind).inc()
-        for layer in decision.layers:
-            self.swapper.request(layer, decision.precision)
+            self.metrics.on_decision(self.worker, decision.kind)
 
-    def _on_records(self, records: list[SwapRecord]) -> None:
-        for record in records:
-            self.recent_swaps.append(record)
-            if self.metrics is not None:
-                self.metrics.on_swap(record)
-        if records:
-            self._record_timeline()
-
-    def sample(self, engine) -> ServingSample:
+    @staticmethod
+    def sample(engine) -> ServingSample:
         """What the controller sees: KV use, queue, and TTFT / TPOT of the tokens since the last boundary."""
-        scheduler = engine.scheduler
-        allocator = scheduler.allocator
-        now = time.time()
-        waiting = scheduler.waiting
-        queue_delay = 0.0
-        blocked = False
-        if waiting:
-            head = waiting[0]
-            queue_delay = max(0.0, now - head.arrival_time)
-            block_size = scheduler.config.block_size
-            chunk = min(head.num_uncomputed_tokens, scheduler.config.max_num_batched_tokens)
-            needed = -(-(head.num_computed_tokens + chunk) // block_size) - len(head.block_ids)
-            blocked = not allocator.can_allocate(needed)
-        ttfts, tpots = [], []
-        live = engine.requests
-        for request_id, request in live.items():
-            if request.first_token_time is not None and request_id not in self._ttft_seen:
-                self._ttft_seen.add(request_id)
-                ttfts.append(request.first_token_time - request.arrival_time)
-            last = request.last_token_time
-            if last is not None:
-                previous = self._last_token.get(request_id)
-                if previous is not None and last != previous:
-                    tpots.append(last - previous)
-                self._last_token[request_id] = last
-        if len(self._ttft_seen) > 2 * len(live) + 64:  # forget finished requests now and then
-            self._ttft_seen &= live.keys()
-            self._last_token = {k: v for k, v in self._last_token.items() if k in live}
-        return ServingSample(time.monotonic(), allocator.num_used, allocator.num_total, len(waiting),
-                             len(scheduler.running), queue_delay, blocked, ttfts, tpots)
+        load = engine.load_snapshot()
+        return ServingSample(time.monotonic(), load.kv_blocks_used, load.kv_blocks_total, load.num_waiting,
+                             load.num_running, load.queue_delay_s, load.blocked_on_kv, load.ttft_s, load.tpot_s)
 
     # ------------------------------------------------------------------ visibility
     def counts(self) -> dict[str, int]:
-        out = {p: 0 for p in self.swapper.store.precisions}
-        for p in self.swapper.precision:
+        out = {p: 0 for p in self.info.precisions}
+        for p in self._report.precisions:
             out[p] += 1
         return out
 
     def _record_timeline(self) -> None:
-        self.timeline.append((time.time(), self.resizer.pool.num_blocks, self.counts()))
+        if self._report is not None:
+            self.timeline.append((time.time(), self._report.kv_blocks, self.counts()))
 
     def _publish(self) -> None:
         if self.metrics is None:
             return
-        pool = self.resizer.pool
-        self.metrics.set_state(self.counts(), pool.num_blocks, pool.num_blocks * pool.layout.block_size,
-                               self.swapper.arena.committed_bytes)
+        report = self._report
+        self.metrics.set_state(self.worker, self.counts(), report.kv_blocks,
+                               report.kv_blocks * self._block_size(), report.weights_committed_bytes)
+
+    def _block_size(self) -> int:
+        return self.engine.scheduler.block_size if self.engine is not None else 0
 
     def state(self) -> dict:
         """Per-layer precision, KV capacity, swap counts and times (GET /admin/morph)."""
@@ -252,30 +279,32 @@ class MorphManager:
             return self._state()
 
     def _state(self) -> dict:
-        swapper, pool = self.swapper, self.resizer.pool
-        counters = swapper.counters
+        report = self._report
+        counters = report.counters
         num_swaps = sum(counters.num_swaps.values())
-        budget = self.resizer.budget
         last = counters.last
+        allocator = self.allocator if self.engine is not None else None
         return {
+            "worker": self.worker,
             "mode": self.mode,
+            "active": self.engine is not None,
             "controller_enabled": bool(self.controller is not None and self.controller.enabled),
-            "precisions": list(swapper.store.precisions),
-            "layers": [{"layer": i, "precision": swapper.precision[i], "target": swapper.target(i)}
+            "precisions": list(self.info.precisions),
+            "layers": [{"layer": i, "precision": report.precisions[i], "target": report.targets[i]}
                        for i in range(self.num_layers)],
             "layer_counts": self.counts(),
-            "pending": swapper.pending_layers(),
-            "waiting_for_kv_blocks": swapper.waiting_for_room,
+            "pending": list(report.pending_layers),
+            "waiting_for_kv_blocks": allocator is not None and self._waits_for_live_blocks(report),
             "order": self.order,
-            "kv_blocks_total": pool.num_blocks,
-            "kv_blocks_used": pool.allocator.num_used,
-            "kv_capacity_tokens": pool.num_blocks * pool.layout.block_size,
-            "kv_block_bytes": pool.layout.block_bytes,
-            "weights_committed_bytes": swapper.arena.committed_bytes,
-            "kv_committed_bytes": pool.committed_bytes,
-            "budget_bytes": budget.total_bytes,
-            "budget_free_bytes": budget.free_bytes,
-            "headroom_bytes": self.resizer.headroom_bytes,
+            "kv_blocks_total": report.kv_blocks,
+            "kv_blocks_used": allocator.num_used if allocator is not None else None,
+            "kv_capacity_tokens": report.kv_blocks * self._block_size(),
+            "kv_block_bytes": self.info.block_bytes,
+            "weights_committed_bytes": report.weights_committed_bytes,
+            "kv_committed_bytes": report.kv_committed_bytes,
+            "budget_bytes": report.budget_bytes,
+            "budget_free_bytes": report.budget_free_bytes,
+            "headroom_bytes": report.headroom_bytes,
             "swaps": dict(counters.num_swaps),
             "num_swaps": num_swaps,
             "swap_copy_s_total": round(counters.total_copy_s, 6),
@@ -283,8 +312,12 @@ class MorphManager:
             "last_swap": None if last is None else {
                 "layer": last.layer, "src": last.src, "dst": last.dst, "copy_s": round(last.copy_s, 6),
                 "latency_s": round(last.latency_s, 6), "bytes_copied": last.nbytes_copied},
-            "kv_blocks_attached_by_morphs": self.resizer.num_attached,
-            "kv_blocks_detached_by_morphs": self.resizer.num_detached,
-            "host_store": swapper.store.report(),
+            "kv_blocks_attached_by_morphs": self.num_attached,
+            "kv_blocks_detached_by_morphs": self.num_detached,
+            "host_store": self.info.host_store,
             "last_error": self.boundary_error,
         }
+
+    def is_full_precision(self) -> bool:
+        report = self._report
+        return report is None or (not report.busy and all(p == "fp" for p in report.precisions))

@@ -12,14 +12,14 @@ import hashlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from elastic_hf.config import QUANT_PRECISIONS, MorphConfig
 from elastic_hf.layers.awq import AwqConfig
-from elastic_hf.layers.quant_scheme import DEFAULT_W4_GROUP_SIZE, QuantScheme
+from elastic_hf.layers.quant_scheme import QuantScheme
 from elastic_hf.layers.quantize_layer import (calibrate_and_quantize, decoder_layer_kwargs, load_layer_variant,
                                               save_layer_variant)
 from elastic_hf.paths import cache_root
@@ -28,38 +28,11 @@ from elastic_hf.profiling.profile_format import config_hash
 
 log = logging.getLogger(__name__)
 
-QUANT_PRECISIONS = ("w8", "w4")
 PRECISIONS = ("fp",) + QUANT_PRECISIONS   # highest to lowest
 
 
-@dataclass(slots=True)
-class VariantConfig:
-    precisions: tuple[str, ...] = QUANT_PRECISIONS  # quantized variants kept for every layer
-    w4_group_size: int = DEFAULT_W4_GROUP_SIZE
-    calib_path: str | None = None   # calibration text: AWQ scales when given, round-to-nearest otherwise
-    calib_samples: int = 4          # windows of calib_seq_len tokens used by the AWQ search
-    calib_seq_len: int = 256
-    use_cache: bool = True
-    cache_dir: str | None = None    # default: <user cache>/elastic-hf/morph-variants
-
-    def __post_init__(self):
-        self.precisions = tuple(self.precisions)
-        bad = [p for p in self.precisions if p not in QUANT_PRECISIONS]
-        if bad or not self.precisions or len(set(self.precisions)) != len(self.precisions):
-            raise ValueError(f"precisions={self.precisions!r}: give distinct names from {QUANT_PRECISIONS}")
-        QuantScheme.create("w4", self.w4_group_size)  # validates the group size
-        if self.calib_path is not None and not Path(self.calib_path).is_file():
-            raise ValueError(f"calib_path={self.calib_path!r} does not exist")
-        if self.calib_samples < 1 or self.calib_seq_len < 2:
-            raise ValueError(f"calib_samples={self.calib_samples} must be >= 1 and calib_seq_len="
-                             f"{self.calib_seq_len} >= 2")
-
-    @property
-    def method(self) -> str:
-        return "awq" if self.calib_path else "rtn"
-
-    def scheme(self, precision: str) -> QuantScheme:
-        return QuantScheme.create(precision, self.w4_group_size if precision == "w4" else None, self.method)
+def variant_scheme(config: MorphConfig, precision: str) -> QuantScheme:
+    return QuantScheme.create(precision, config.w4_group_size if precision == "w4" else None, config.method)
 
 
 def checkpoint_fingerprint(checkpoint_dir: Path, hf_config) -> str:
@@ -78,9 +51,9 @@ def _file_digest(path: str) -> str:
     return hashlib.sha256(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
-def variant_dir(config: VariantConfig, precision: str, checkpoint_dir: Path, hf_config) -> Path:
+def variant_dir(config: MorphConfig, precision: str, checkpoint_dir: Path, hf_config) -> Path:
     root = Path(config.cache_dir) if config.cache_dir else cache_root() / "morph-variants"
-    name = config.scheme(precision).name
+    name = variant_scheme(config, precision).name
     if config.method == "awq":
         name += f"-{_file_digest(config.calib_path)}-n{config.calib_samples}x{config.calib_seq_len}"
     return root / checkpoint_fingerprint(checkpoint_dir, hf_config) / name
@@ -98,7 +71,7 @@ def _sdpa_attention(model: nn.Module):
         config._attn_implementation = saved
 
 
-def calibration_ids(tokenizer, config: VariantConfig) -> torch.Tensor:
+def calibration_ids(tokenizer, config: MorphConfig) -> torch.Tensor:
     """[calib_samples, calib_seq_len] token windows of the calibration text. Only a prefix of the text is
     tokenized (16 windows' worth, ~8 characters per token): tokenizing a whole corpus file costs seconds."""
     text = read_text(config.calib_path, "calib_path")
@@ -113,9 +86,9 @@ def _calibration_hidden(model, adapter, batch: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _build(model, adapter, layers, calib: torch.Tensor | None, config: VariantConfig,
+def _build(model, adapter, layers, calib: torch.Tensor | None, config: MorphConfig,
            precision: str) -> list[nn.Module]:
-    scheme = config.scheme(precision)
+    scheme = variant_scheme(config, precision)
     if config.method == "rtn":
         return [calibrate_and_quantize(layer, adapter, model.config, scheme).quantized for layer in layers]
     variants = []
@@ -152,9 +125,10 @@ def _save_cached(directory: Path, variants: list[nn.Module], model_id: str) -> N
         log.warning("could not cache layer variants in %s: %s", directory, exc)
 
 
-def build_variants(model: nn.Module, adapter, layers: nn.ModuleList, tokenizer, config: VariantConfig,
+def build_variants(model: nn.Module, adapter, layers: nn.ModuleList, config: MorphConfig,
                    checkpoint_dir: Path | None, model_id: str = "") -> dict[str, list[nn.Module]]:
-    """precision -> one quantized copy per decoder layer, on the layers' device."""
+    """precision -> one quantized copy per decoder layer, on the layers' device. AWQ (config.calib_path) reads
+    the checkpoint's tokenizer to tokenize the calibration text."""
     device = next(layers[0].parameters()).device
     out: dict[str, list[nn.Module]] = {}
     calib = None
@@ -166,12 +140,14 @@ def build_variants(model: nn.Module, adapter, layers: nn.ModuleList, tokenizer, 
         source = "cache"
         if variants is None:
             if config.method == "awq" and calib is None:
-                calib = calibration_ids(tokenizer, config)
+                from transformers import AutoTokenizer
+
+                calib = calibration_ids(AutoTokenizer.from_pretrained(checkpoint_dir), config)
             variants = _build(model, adapter, layers, calib, config, precision)
             source = config.method
             if directory is not None:
                 _save_cached(directory, variants, model_id)
-        log.info("%s variants of %d layers (%s) in %.1f s", config.scheme(precision).name, len(layers), source,
+        log.info("%s variants of %d layers (%s) in %.1f s", variant_scheme(config, precision).name, len(layers), source,
                  time.perf_counter() - started)
         out[precision] = variants
     return out

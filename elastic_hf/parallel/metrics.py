@@ -1,10 +1,10 @@
-"""Prometheus metrics of a multi-worker deployment: topology, TP transforms (outcome, duration, KV moved, peak extra
-bytes) and worker replacements. One registry per deployment; the server renders it next to the engines' own."""
+"""Prometheus metrics of a deployment: topology, reshapes (outcome, duration, KV moved, peak extra bytes) and worker
+replacements, on the deployment's registry next to the engines' own."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-TRANSFORM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RESHAPE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class DeploymentMetrics:
@@ -12,26 +12,27 @@ class DeploymentMetrics:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         self.instances = Gauge("elastic_hf_instances", "Serving instances by TP degree", ["tp"], registry=r)
-        self.transforms = Counter("elastic_hf_tp_transforms", "TP transforms by outcome", ["outcome"], registry=r)
+        self.reshapes = Counter("elastic_hf_reshapes", "Reshapes (TP layout changes) by outcome", ["outcome"],
+                                registry=r)
         for outcome in ("committed", "rolled_back"):
-            self.transforms.labels(outcome=outcome)
-        self.transform_seconds = Histogram("elastic_hf_tp_transform_seconds", "Committed TP transform duration",
-                                           buckets=TRANSFORM_BUCKETS, registry=r)
-        self.kv_moved_bytes = Counter("elastic_hf_tp_kv_moved_bytes", "KV bytes sent between workers by transforms",
+            self.reshapes.labels(outcome=outcome)
+        self.reshape_seconds = Histogram("elastic_hf_reshape_seconds", "Committed reshape duration",
+                                         buckets=RESHAPE_BUCKETS, registry=r)
+        self.kv_moved_bytes = Counter("elastic_hf_reshape_kv_moved_bytes", "KV bytes sent between workers by reshapes",
                                       registry=r)
-        self.peak_extra_bytes = Gauge("elastic_hf_tp_transform_peak_extra_bytes",
-                                      "Largest per-worker extra KV bytes of the last transform", registry=r)
+        self.peak_extra_bytes = Gauge("elastic_hf_reshape_peak_extra_bytes",
+                                      "Largest per-worker extra KV bytes of the last reshape", registry=r)
         self.recoveries = Counter("elastic_hf_worker_replacements", "Dead worker processes replaced", registry=r)
 
     def set_topology(self, sizes: tuple[int, ...], degrees: tuple[int, ...]) -> None:
         for d in degrees:
             self.instances.labels(tp=str(d)).set(sum(1 for s in sizes if s == d))
 
-    def on_transform(self, committed: bool, seconds: float, worker_stats: list[dict]) -> None:
-        self.transforms.labels(outcome="committed" if committed else "rolled_back").inc()
+    def on_reshape(self, committed: bool, seconds: float, worker_stats: list[dict]) -> None:
+        self.reshapes.labels(outcome="committed" if committed else "rolled_back").inc()
         if not committed:
             return
-        self.transform_seconds.observe(seconds)
+        self.reshape_seconds.observe(seconds)
         kv = [s["kv"] for s in worker_stats if s.get("kv")]
         self.kv_moved_bytes.inc(sum(k["sent_bytes"] for k in kv))
         self.peak_extra_bytes.set(max((k["peak_extra_bytes"] for k in kv), default=0))

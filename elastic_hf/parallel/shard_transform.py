@@ -11,23 +11,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from elastic_hf.layers.shard_layout import COLUMN_KINDS, SHARDED_KINDS, ModelShardSpec, PaddedLayout
 from elastic_hf.layers.shardable_linear import ShardableLinear
 from elastic_hf.memory import MemoryBudget, create_arena
-from elastic_hf.topology import Topology
-from elastic_hf.layers.shard_layout import COLUMN_KINDS, SHARDED_KINDS, ModelShardSpec, PaddedLayout
+from elastic_hf.model.weight_placement import ArenaRange, param_range_bytes, place_params
 from elastic_hf.parallel.weight_store import SharedWeightStore, linear_module_names
+from elastic_hf.topology import Topology
+from elastic_hf.units import round_up
 
 ATTENTION_KINDS = ("q", "k", "v", "o")
 MLP_KINDS = ("gate", "up", "down")
 
 
-def _aligned(nbytes: int, alignment: int = 64) -> int:
-    return -(-nbytes // alignment) * alignment
-
-
 class ShardedWeights:
+    """The weights of a tensor-parallel-capable worker. Arena layout: `[shared | layer 0 | layer 1 | ...]`, each
+    layer `[quant slots | q k v o gate up down in their padded chunk layouts]`. The quant slots (reserved, not
+    committed) exist only when the worker morphs precision; a morph runs on a TP1 shard, whose linears' chunks form
+    one contiguous fp region per layer."""
+
     def __init__(self, hf_model: nn.Module, adapter, spec: ModelShardSpec, budget: MemoryBudget,
-                 device: torch.device, store: SharedWeightStore, tp: int | None, rank: int | None, group=None):
+                 device: torch.device, store: SharedWeightStore, tp: int | None, rank: int | None, group=None,
+                 slot_bytes: list[dict[str, int]] | None = None):
         self.adapter = adapter
         self.spec = spec
         self.store = store
@@ -44,16 +48,26 @@ class ShardedWeights:
                 shared.append(p)
         layouts = {kind: spec.layout(kind) for kind in SHARDED_KINDS}
         page = spec.page_size
-        self.shared_bytes = -(-max(sum(_aligned(p.numel() * p.element_size()) for p in shared), 1) // page) * page
+        self.shared_bytes = round_up(max(param_range_bytes(shared), 1), page)
         self.layer_bytes = sum(lay.nbytes for lay in layouts.values())
-        self.arena = create_arena(device, self.shared_bytes + self.num_layers * self.layer_bytes, budget, "weights",
-                                  page)
-        self._place_shared(shared)
+        slot_extents = [{p: round_up(n, page) for p, n in (slot_bytes[i] if slot_bytes else {}).items()}
+                        for i in range(self.num_layers)]
+        capacity = self.shared_bytes + sum(self.layer_bytes + sum(e.values()) for e in slot_extents)
+        self.arena = create_arena(device, capacity, budget, "weights", page)
+        self.shared = place_params(shared, self.arena, 0)
 
         self.linears: list[dict[str, ShardableLinear]] = []
+        self._fp_regions: list[ArenaRange] = []
+        self._slots: list[dict[str, ArenaRange]] = []
         offset = self.shared_bytes
         with torch.no_grad():
             for layer_idx, (layer, per_layer) in enumerate(zip(self.layers, linears)):
+                slots = {}
+                for precision, extent in slot_extents[layer_idx].items():
+                    slots[precision] = ArenaRange(offset, extent, slot_bytes[layer_idx][precision])
+                    offset += extent
+                self._slots.append(slots)
+                self._fp_regions.append(ArenaRange(offset, self.layer_bytes, self.layer_bytes))
                 built = {}
                 for kind in SHARDED_KINDS:
                     old = per_layer[kind]
@@ -72,15 +86,13 @@ class ShardedWeights:
                 self.linears.append(built)
         self.tp, self.rank = tp, rank
 
-    def _place_shared(self, params: list[nn.Parameter]) -> None:
-        self.arena.commit(0, self.shared_bytes)
-        cursor = 0
-        with torch.no_grad():
-            for p in params:
-                view = self.arena.view(cursor, tuple(p.shape), p.dtype)
-                view.copy_(p.data)
-                p.data = view
-                cursor += _aligned(p.numel() * p.element_size())
+    # ------------------------------------------------------------------ precision morphing (TP1 only)
+    def fp_region(self, layer: int) -> ArenaRange:
+        """The contiguous range of the layer's sharded linears: all of it is committed at TP1."""
+        return self._fp_regions[layer]
+
+    def slot(self, layer: int, precision: str) -> ArenaRange:
+        return self._slots[layer][precision]
 
     # ------------------------------------------------------------------ accounting
     @property

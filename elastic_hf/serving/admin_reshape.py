@@ -1,10 +1,10 @@
-"""Admin routes of parallelism morphing on a multi-worker deployment, behind the admin key:
+"""Admin routes of reshaping (changing the tensor-parallel layout of a running deployment), behind the admin key:
 
-    GET  /admin/reshape   -> current topology, candidate topologies, past transforms
-    POST /admin/reshape   {"topology": [2]}  -> runs the transform as a transaction on the engine thread
+    GET  /admin/reshape   -> current topology, candidate topologies, past reshapes
+    POST /admin/reshape   {"topology": [2]}  -> runs the reshape as a transaction on the engine thread
 
-A rejected topology is a 400; a transform that rolled back before its commit point is a 409 (the old topology
-keeps serving)."""
+A rejected topology is a 400 naming the candidates; a reshape that rolled back before its commit point is a 409
+(the old topology keeps serving). A single-worker server has one candidate, [1]."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -12,7 +12,8 @@ from dataclasses import asdict
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from elastic_hf.serving.admin_auth import admin_error, check_admin, parse_admin_body
+from elastic_hf.serving.auth import check_admin, parse_admin_body
+from elastic_hf.serving.errors import error_response
 
 
 class ReshapeRequest(BaseModel):
@@ -21,11 +22,12 @@ class ReshapeRequest(BaseModel):
     weights_source: str | None = None  # "host" (shared weight store) or "peers"; default: the plan's choice
 
 
-def admin_reshape_router(deployment_engine, async_engine, admin_key: str | None) -> APIRouter:
-    from elastic_hf.parallel.deployment import ReshapeAborted
+def admin_reshape_router(model, async_engine, admin_key: str | None) -> APIRouter:
+    """Routes over `model.reshape` (ElasticModel); the reshape runs on the engine thread of `async_engine`."""
+    from elastic_hf.parallel.reshape import ReshapeAborted
 
     router = APIRouter()
-    deployment = deployment_engine.deployment
+    deployment = model.deployment
 
     @router.get("/admin/reshape")
     async def get_reshape(request: Request):
@@ -34,7 +36,7 @@ def admin_reshape_router(deployment_engine, async_engine, admin_key: str | None)
             return denied
         return {"topology": list(deployment.topology.sizes),
                 "candidates": [list(t.sizes) for t in deployment.candidates],
-                "tp_policy": deployment.options.tp_policy,
+                "tp_policy": deployment.config.tp_policy,
                 "reshapes": [{k: v for k, v in asdict(r).items() if k != "worker_stats"} for r in deployment.reshapes]}
 
     @router.post("/admin/reshape")
@@ -46,15 +48,15 @@ def admin_reshape_router(deployment_engine, async_engine, admin_key: str | None)
         if invalid is not None:
             return invalid
         if body.weights_source not in (None, "host", "peers"):
-            return admin_error(400, f"weights_source must be 'host' or 'peers', got {body.weights_source!r}",
-                               "invalid_request", "weights_source")
+            return error_response(400, f"weights_source must be 'host' or 'peers', got {body.weights_source!r}",
+                                  code="invalid_request", param="weights_source")
         try:
             # On the engine thread, between two steps: that is the transaction's quiesce point.
-            report = await async_engine.call(deployment_engine.reshape, body.topology, body.weights_source)
+            report = await async_engine.call(model.reshape, body.topology, body.weights_source)
         except ValueError as exc:
-            return admin_error(400, str(exc), "invalid_topology", "topology")
+            return error_response(400, str(exc), code="invalid_topology", param="topology")
         except ReshapeAborted as exc:
-            return admin_error(409, str(exc), "reshape_rolled_back")
+            return error_response(409, str(exc), code="reshape_rolled_back")
         return {k: v for k, v in asdict(report).items() if k != "worker_stats"}
 
     return router

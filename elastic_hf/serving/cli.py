@@ -24,12 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
         except ImportError as exc:
             # One broken subcommand (a missing optional package) must not take the others down.
             sub_parser = sub.add_parser(name, help=f"{help_text} (unavailable: {exc})")
-            sub_parser.set_defaults(_run=lambda args, exc=exc, name=name: _unavailable(name, exc))
+            sub_parser.set_defaults(handler=lambda args, exc=exc, name=name: _unavailable(name, exc))
             continue
         sub_parser = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(sub_parser)
-        sub_parser.set_defaults(_run=module.run)
+        sub_parser.set_defaults(handler=module.run)
     return parser
 
 
@@ -40,7 +40,7 @@ def _unavailable(name: str, exc: ImportError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    return int(args.handler(args) or 0)
 
 
 if __name__ == "__main__":

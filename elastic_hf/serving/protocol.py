@@ -32,7 +32,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
+    """Fields and checks shared by completion and chat requests: sampling options and streaming."""
+
     # Unknown fields (logit_bias, logprobs=False, ...) are ignored like most OpenAI-compatible servers do.
     model_config = ConfigDict(extra="ignore")
 
@@ -81,7 +83,7 @@ class _SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     # str | list[str] | token ids | list of token-id lists, as in the OpenAI API
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16
@@ -128,7 +130,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -25,8 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model name clients send in 'model' and see in /v1/models "
                              "(default: the model id)" + _OWN_DEFAULT)
     parser.add_argument("--memory-budget", default=None,
-                        help="cap on committed bytes for weights + KV cache: bytes, a size like '2GiB', or a "
-                             "fraction of the device like '0.5' (default: weights + 1 GiB of KV)" + _OWN_DEFAULT)
+                        help="cap on committed bytes per worker for weights + KV cache: bytes, a size like '2GiB', "
+                             "or a fraction of the device like '0.5' (default: weights + --kv-cache-memory)"
+                        + _OWN_DEFAULT)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion in tokens (default: what the model and KV cache allow, "
                              "at most 8192)" + _OWN_DEFAULT)
@@ -45,12 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--morph", default="off", choices=("off", "manual", "accuracy", "default", "performance"),
                         help="precision morphing: swap decoder layers to INT8/INT4 under KV pressure and give the "
                              "freed memory to the KV cache, back to full precision when load falls (MorphServe); "
-                             "manual = only through POST /admin/morph")
+                             "every TP-1 instance's worker morphs its own layers; manual = only through "
+                             "POST /admin/morph")
     parser.add_argument("--profile", default=None,
                         help="LIS profile JSON from `elastic-hf profile` giving the swap order "
                              "(default: front to back)" + _OWN_DEFAULT)
     parser.add_argument("--admin-key", default=None,
-                        help="bearer key of the /admin routes (morph, reshape); without it they answer 403 "
+                        help="bearer key of the /admin routes (/admin/morph, /admin/reshape); without it they answer "
+                             "403 "
                              "(default: $ELASTIC_HF_ADMIN_KEY)" + _OWN_DEFAULT)
     parser.add_argument("--workers", type=int, default=1,
                         help="worker processes; more than 1 starts a torch.distributed deployment whose instances "
@@ -65,26 +68,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how requests pick an instance (default: elastic with --tp-policy elastic, "
                              "least_load otherwise)" + _OWN_DEFAULT)
     parser.add_argument("--kv-cache-memory", default=None,
-                        help="KV bytes per worker of a multi-worker deployment, e.g. '256MiB' "
-                             "(default: 64 MiB)" + _OWN_DEFAULT)
+                        help="KV bytes per worker when --memory-budget is not given, e.g. '256MiB' "
+                             "(default: 1 GiB)" + _OWN_DEFAULT)
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level of server and engine")
 
 
-def engine_options(args: argparse.Namespace) -> dict:
-    """Only the options the user set, so ElasticModel keeps its own defaults for the rest."""
-    options = {}
-    if args.max_num_seqs is not None:
-        options["max_num_seqs"] = args.max_num_seqs
-    if args.max_num_batched_tokens is not None:
-        options["max_num_batched_tokens"] = args.max_num_batched_tokens
-    return options
+def engine_config(args: argparse.Namespace):
+    """The one EngineConfig of the server from its flags (unset flags keep the config's defaults)."""
+    from elastic_hf.config import EngineConfig, MorphConfig
+
+    if args.tp < 1 or args.workers % args.tp:
+        raise ValueError(f"--tp must divide --workers: {args.tp} does not divide {args.workers}")
+    options = {name: getattr(args, name) for name in ("dtype", "max_num_seqs", "max_num_batched_tokens",
+                                                       "memory_budget", "kv_cache_memory", "max_model_len", "router")
+               if getattr(args, name) is not None}
+    return EngineConfig(model=args.model, num_workers=args.workers, topology=(args.tp,) * (args.workers // args.tp),
+                        tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from elastic_hf.elastic_model import ElasticModel
     from elastic_hf.engine.async_engine import AsyncEngine
-    from elastic_hf.model.elastic_model import ElasticModel
+    from elastic_hf.serving.admin_morph import admin_morph_router
+    from elastic_hf.serving.admin_reshape import admin_reshape_router
     from elastic_hf.serving.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -92,62 +100,24 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("ELASTIC_HF_API_KEY") or None
     admin_key = args.admin_key or os.environ.get("ELASTIC_HF_ADMIN_KEY") or None
     try:
-        if args.workers > 1:
-            engine, model_id, close = _build_deployment(args)
-            model = None
-        else:
-            model = ElasticModel.from_pretrained(args.model, dtype=args.dtype, memory_budget=args.memory_budget,
-                                                 max_model_len=args.max_model_len, morph=args.morph,
-                                                 profile=args.profile, **engine_options(args))
-            engine, model_id, close = model.engine, model.model_id, None
+        model = ElasticModel.from_config(engine_config(args))
     except (ValueError, OSError) as exc:  # bad flag values or a missing model: a message, not a traceback
         print(f"elastic-hf serve: error: {exc}", file=sys.stderr)
         return 2
-    async_engine = AsyncEngine(engine).start()
-    app = build_app(async_engine, api_key=api_key, model_id=args.served_model_name or model_id,
+    async_engine = AsyncEngine(model.engine).start()
+    app = build_app(async_engine, api_key=api_key, model_id=args.served_model_name or model.model_id,
                     max_body_bytes=args.max_body_bytes)
-    app.state.elastic_model = model
-    if args.workers > 1:
-        from elastic_hf.serving.admin_reshape import admin_reshape_router
-
-        app.include_router(admin_reshape_router(engine, async_engine, admin_key))
-    else:
-        from elastic_hf.serving.admin_morph import admin_morph_router
-
-        app.include_router(admin_morph_router(model, async_engine, admin_key))
-    logging.getLogger(__name__).info("serving %s on http://%s:%d (auth %s, admin %s)", model_id, args.host,
-                                     args.port, "on" if api_key else "off", "on" if admin_key else "off")
+    app.include_router(admin_morph_router(model, async_engine, admin_key))
+    app.include_router(admin_reshape_router(model, async_engine, admin_key))
+    logging.getLogger(__name__).info("serving %s on http://%s:%d with %d worker(s), topology %s (auth %s, admin %s)",
+                                     model.model_id, args.host, args.port, args.workers, model.deployment.topology,
+                                     "on" if api_key else "off", "on" if admin_key else "off")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
         async_engine.shutdown()
-        if close is not None:
-            close()
+        model.close()
     return 0
-
-
-def _build_deployment(args: argparse.Namespace):
-    """A multi-worker deployment behind the same AsyncEngine: (engine, model id, close callback)."""
-    from elastic_hf.memory import parse_memory_budget
-    from elastic_hf.parallel.deployment import Deployment
-    from elastic_hf.parallel.deployment_engine import DeploymentEngine
-
-    if args.memory_budget is not None:
-        raise ValueError("--memory-budget applies to a single worker; with --workers use --kv-cache-memory")
-    if args.morph != "off":
-        raise ValueError("--morph works on a single worker for now; drop --workers or --morph")
-    if args.tp < 1 or args.workers % args.tp:
-        raise ValueError(f"--tp must divide --workers: {args.tp} does not divide {args.workers}")
-    options = dict(num_workers=args.workers, topology=(args.tp,) * (args.workers // args.tp),
-                   tp_policy=args.tp_policy, router=args.router or (
-                       "elastic" if args.tp_policy == "elastic" else "least_load"),
-                   max_model_len=args.max_model_len, **engine_options(args))
-    if args.dtype is not None:
-        options["dtype"] = args.dtype
-    if args.kv_cache_memory is not None:
-        options["kv_cache_memory"] = parse_memory_budget(args.kv_cache_memory, None)
-    deployment = Deployment(args.model, **options)
-    return DeploymentEngine(deployment), deployment.model_id, deployment.close
 
 
 def main(argv: list[str] | None = None) -> int:

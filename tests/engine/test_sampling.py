@@ -3,7 +3,7 @@
 import pytest
 
 from elastic_hf import SamplingParams
-from elastic_hf.model.elastic_model import ElasticModel
+from elastic_hf import ElasticModel
 from greedy_reference import mixed_prompts
 
 

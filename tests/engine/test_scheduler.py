@@ -1,6 +1,7 @@
 """Torch-free scheduler: token budget, chunked prefill, admission, preemption by recompute, block release."""
 from elastic_hf.engine.sampling_params import SamplingParams
-from elastic_hf.engine.scheduler import Scheduler, SchedulerConfig
+from elastic_hf.config import EngineConfig
+from elastic_hf.engine.scheduler import Scheduler
 from elastic_hf.engine.sequence import Sequence, SeqStatus
 from elastic_hf.kv.block_allocator import BlockAllocator
 
@@ -17,7 +18,8 @@ def _advance(scheduled):
 
 
 def test_chunked_prefill_respects_token_budget():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, block_size=4), BlockAllocator(range(32)))
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=10, block_size=4)
+    sched = Scheduler(config, BlockAllocator(range(32)))
     a, b = _seq(0, 25), _seq(1, 3)
     sched.add(a), sched.add(b)
     steps = []
@@ -32,7 +34,8 @@ def test_chunked_prefill_respects_token_budget():
 
 
 def test_preemption_by_recompute_frees_blocks_and_requeues_youngest():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4), BlockAllocator(range(4)))
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4)
+    sched = Scheduler(config, BlockAllocator(range(4)))
     old, young = _seq(0, 8), _seq(1, 7)
     sched.add(old), sched.add(young)
     _advance(sched.schedule())  # both admitted: 2 + 2 blocks, 9 and 8 tokens now
@@ -46,7 +49,7 @@ def test_preemption_by_recompute_frees_blocks_and_requeues_youngest():
 
 def test_finish_releases_blocks_at_once():
     alloc = BlockAllocator(range(8))
-    sched = Scheduler(SchedulerConfig(block_size=4), alloc)
+    sched = Scheduler(EngineConfig(block_size=4), alloc)
     seq = _seq(0, 10)
     sched.add(seq)
     sched.schedule()
@@ -56,7 +59,21 @@ def test_finish_releases_blocks_at_once():
 
 
 def test_max_num_seqs_caps_admission():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, block_size=4), BlockAllocator(range(64)))
+    sched = Scheduler(EngineConfig(max_num_seqs=2, block_size=4), BlockAllocator(range(64)))
     for i in range(5):
         sched.add(_seq(i, 3))
     assert len(sched.schedule()) == 2 and len(sched.waiting) == 3
+
+
+def test_adopted_sequences_keep_admission_order():
+    sched = Scheduler(EngineConfig(block_size=4), BlockAllocator(range(64)))
+    mine = [_seq(i, 3) for i in (0, 4)]
+    for seq in mine:
+        sched.add(seq)
+    sched.schedule()
+    moved_running, moved_waiting = _seq(2, 3), _seq(3, 3)
+    moved_running.status = SeqStatus.RUNNING
+    sched.adopt([moved_running], [moved_waiting])
+    assert [s.seq_id for s in sched.running] == [0, 2, 4] and [s.seq_id for s in sched.waiting] == [3]
+    head, blocked = sched.head_of_line()
+    assert head is moved_waiting and not blocked

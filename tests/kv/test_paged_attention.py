@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_hf.kv import paged_attention
-
+from elastic_hf.kv.block_allocator import BlockAllocator
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_attention import paged_attention_forward
@@ -23,10 +23,12 @@ class _Layer(torch.nn.Module):
 
 
 def _pool(num_blocks=64, num_layers=2):
+    """(pool, allocator): the pool's pages and the control plane's allocator over the same block ids."""
     layout = KVLayout(num_layers, NUM_KV_HEADS, HEAD_DIM, BLOCK, torch.float32, 4096)
     budget = MemoryBudget(1 << 30)
     arena = create_arena("cpu", num_blocks * layout.block_bytes, budget, "kv")
-    return KVPagePool(layout, arena, num_blocks, num_blocks)
+    pool = KVPagePool(layout, arena, num_blocks, num_blocks)
+    return pool, BlockAllocator(pool.attached_ids())
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -40,14 +42,14 @@ def decode_path(request, monkeypatch):
 
 def test_packed_mixed_batch_matches_dense_sdpa(decode_path):
     torch.manual_seed(0)
-    pool = _pool()
+    pool, allocator = _pool()
     layer = _Layer(1)
     # Full K/V histories of three sequences; the cache is filled step by step through the attention itself.
     lengths = [9, 13, 6]
     k_full = [torch.randn(NUM_KV_HEADS, n, HEAD_DIM) for n in lengths]
     v_full = [torch.randn(NUM_KV_HEADS, n, HEAD_DIM) for n in lengths]
     q_full = [torch.randn(NUM_HEADS, n, HEAD_DIM) for n in lengths]
-    tables = [pool.allocator.allocate(-(-n // BLOCK)) for n in lengths]
+    tables = [allocator.allocate(-(-n // BLOCK)) for n in lengths]
 
     def step(chunks):  # chunks: (seq, start, end)
         meta = build_paged_batch(pool, [(s, e - s, tables[i]) for i, s, e in chunks])
@@ -71,8 +73,8 @@ def test_packed_mixed_batch_matches_dense_sdpa(decode_path):
 
 
 def test_layers_do_not_overwrite_each_other():
-    pool = _pool(num_blocks=4)
-    table = pool.allocator.allocate(1)
+    pool, allocator = _pool(num_blocks=4)
+    table = allocator.allocate(1)
     meta = build_paged_batch(pool, [(0, 3, table)])
     for idx, fill in ((0, 1.0), (1, 2.0)):
         k = torch.full((1, NUM_KV_HEADS, 3, HEAD_DIM), fill)
@@ -92,12 +94,13 @@ def test_decodes_over_chunk_gather_match_sdpa_for_odd_head_dim_and_equal_lengths
     assert layout.block_bytes % layout.chunk_bytes == 0 and layout.block_bytes % 4096 == 0
     arena = create_arena("cpu", 16 * layout.block_bytes, MemoryBudget(1 << 30), "kv")
     pool = KVPagePool(layout, arena, 16, 16)
+    allocator = BlockAllocator(pool.attached_ids())
     layer = _Layer(2)
     n = 8  # two full blocks: no padded position, so no score bias
     k_full = [torch.randn(NUM_KV_HEADS, n, head_dim) for _ in range(2)]
     v_full = [torch.randn(NUM_KV_HEADS, n, head_dim) for _ in range(2)]
     q_full = [torch.randn(NUM_HEADS, n, head_dim) for _ in range(2)]
-    tables = [pool.allocator.allocate(2) for _ in range(2)]
+    tables = [allocator.allocate(2) for _ in range(2)]
 
     def step(chunks):
         meta = build_paged_batch(pool, [(s, e - s, tables[i]) for i, s, e in chunks])

@@ -53,7 +53,7 @@ def test_aten_backend_and_env_override(monkeypatch):
 def test_default_model_linears_run_on_onednn(default_model):
     """The engine's model computes its big projections and LM head with oneDNN; K/V projections stay on ATen."""
     kinds = {}
-    for name, module in default_model.hf_model.named_modules():
+    for name, module in default_model.worker.hf_model.named_modules():
         if isinstance(module, nn.Linear):
             kinds.setdefault(type(module).__name__, set()).add(name.rsplit(".", 1)[-1])
     assert kinds["OneDnnLinear"] == {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}

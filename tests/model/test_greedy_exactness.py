@@ -2,7 +2,7 @@
 chunked prefill and with preemption forced by a small memory budget."""
 import pytest
 
-from elastic_hf.model.elastic_model import ElasticModel
+from elastic_hf import ElasticModel
 from greedy_reference import hf_greedy, mixed_prompts
 
 MAX_NEW = 12

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from elastic_hf.model.elastic_model import ElasticModel
+from elastic_hf import ElasticModel
 from elastic_hf.model.loader import load_hf_model, resolve_model
 
 
@@ -39,16 +39,17 @@ def test_default_gguf_is_converted_once_and_reloads_fast():
 
 def test_weights_are_views_of_the_arena_and_ledger_adds_up(tiny_checkpoint):
     model = ElasticModel.from_pretrained(tiny_checkpoint("qwen2"), kv_cache_memory=4 << 20)
-    arena = model.weights_arena
+    worker = model.worker
+    arena = worker.weights.arena
     base = arena.view(0, (1,), torch.uint8).data_ptr()
-    for name, p in model.hf_model.named_parameters():
+    for name, p in worker.hf_model.named_parameters():
         offset = p.data_ptr() - base
         assert 0 <= offset < arena.capacity_bytes, f"{name} lives outside the weights arena"
     report = model.memory_report()
-    assert report["weights_bytes"] == model.placement.committed_bytes == arena.committed_bytes
+    assert report["weights_bytes"] == worker.weights.placement.committed_bytes == arena.committed_bytes
     assert report["kv_bytes"] == report["kv_blocks_total"] * report["kv_block_bytes"]
     assert report["weights_bytes"] + report["kv_bytes"] + report["free_bytes"] == report["budget_bytes"]
-    for r in model.placement.layers:
+    for r in worker.weights.placement.layers:
         assert r.offset % arena.page_size == 0 and r.nbytes % arena.page_size == 0
 
 

@@ -1,4 +1,4 @@
-"""LayerSwapper + KVResizer on a tiny Llama: in-place swaps inside the weights arena, the per-layer fence,
+"""LayerSwapper and KV resizing on a tiny Llama: in-place swaps inside the weights arena, the per-layer fence,
 bit-identical restores, the ledger, and restores that wait for live KV blocks."""
 from __future__ import annotations
 
@@ -17,41 +17,46 @@ def model(tiny_checkpoint):
 
 
 def _layers(model):
-    return model.adapter.decoder_layers(model.hf_model)
+    return model.worker.loaded.layers
+
+
+def _block_bytes(model) -> int:
+    return model.worker.pool.layout.block_bytes
 
 
 def test_round_trips_through_every_precision_restore_bit_identical_weights(model):
     original = snapshot(model)
-    ledger_before = model.budget.used_bytes("weights")
+    ledger_before = model.worker.budget.used_bytes("weights")
     for precision in ("w4", "w8", "w4", "fp", "w8", "fp"):
         state = model.morph.to_precision("all", precision)
         assert state["layer_counts"][precision] == 3 and state["pending"] == []
         for i in range(3):
-            assert _layers(model)[i] is model.morph.swapper.store.module(i, precision)
+            assert _layers(model)[i] is model.worker.morph.swapper.store.module(i, precision)
     assert_bit_identical(model, original)
-    assert model.budget.used_bytes("weights") == ledger_before
+    assert model.worker.budget.used_bytes("weights") == ledger_before
     assert model.morph.state()["swaps"] == {"fp->w4": 3, "w4->w8": 3, "w8->w4": 3, "w4->fp": 3, "fp->w8": 3,
                                             "w8->fp": 3}
 
 
 def test_ledger_moves_exactly_the_region_bytes_and_the_kv_cache_takes_them(model):
-    placement = model.placement
-    arena = model.weights_arena
-    blocks_before = model.kv_pool.num_blocks
-    weights_before = model.budget.used_bytes("weights")
+    placement = model.worker.weights.placement
+    arena = model.worker.weights.arena
+    blocks_before = model.worker.pool.num_blocks
+    weights_before = model.worker.budget.used_bytes("weights")
     model.morph.to_precision([0, 2], "w4")
     expected = sum(placement.layers[i].nbytes - placement.slots[i]["w4"].nbytes for i in (0, 2))
-    assert weights_before - model.budget.used_bytes("weights") == expected
-    assert arena.committed_bytes == model.budget.used_bytes("weights")
+    assert weights_before - model.worker.budget.used_bytes("weights") == expected
+    assert arena.committed_bytes == model.worker.budget.used_bytes("weights")
     for i in (0, 2):
         assert arena.is_committed(placement.slots[i]["w4"].offset, placement.slots[i]["w4"].nbytes)
         assert not arena.is_committed(placement.layers[i].offset, placement.layers[i].nbytes)
-    # every byte beyond the headroom became KV blocks
-    resizer = model.morph.resizer
-    assert model.kv_pool.num_blocks > blocks_before
-    assert resizer.headroom_bytes <= model.budget.free_bytes < resizer.headroom_bytes + resizer.block_bytes
+    # every byte beyond the headroom became KV blocks, in the worker's pool and in the engine's allocator
+    headroom = model.worker.morph.headroom_bytes
+    assert model.worker.pool.num_blocks > blocks_before
+    assert model.instances[0].engine.scheduler.allocator.num_total == model.worker.pool.num_blocks
+    assert headroom <= model.worker.budget.free_bytes < headroom + _block_bytes(model)
     model.morph.to_precision("all", "fp")
-    assert model.kv_pool.num_blocks == blocks_before and model.budget.used_bytes("weights") == weights_before
+    assert model.worker.pool.num_blocks == blocks_before and model.worker.budget.used_bytes("weights") == weights_before
 
 
 class GatedCopier:
@@ -71,7 +76,7 @@ class GatedCopier:
 
 
 def test_a_layer_switches_only_at_a_boundary_after_its_copy(model):
-    swapper = model.morph.swapper
+    swapper = model.worker.morph.swapper
     inner = swapper.copier
     swapper.copier = GatedCopier(inner)
     try:
@@ -99,23 +104,25 @@ def test_restore_waits_for_live_kv_blocks(tiny_checkpoint):
     model = tiny_morph_model(tiny_checkpoint("llama"), kv_cache_memory=160 << 10)
     original = snapshot(model)
     model.morph.to_precision("all", "w4")
-    total = model.kv_pool.num_blocks
-    engine = model.engine
+    total = model.worker.pool.num_blocks
+    engine = model.instances[0].engine
     # Requests of 12 blocks each (180 prompt + 8 new tokens) hold all but a few blocks: a restore cannot get
     # the blocks it needs without touching live ones.
     for k in range(total // 12):
         engine.add_request(f"hog-{k}", list(range(1 + k, 181 + k)), SamplingParams(max_tokens=8, ignore_eos=True))
     while engine.scheduler.waiting:
         engine.step()
-    free = model.kv_pool.allocator.num_free
-    assert free < model.morph.resizer.blocks_to_free(model.placement.layers[0].nbytes, True)
+    free = model.instances[0].engine.scheduler.allocator.num_free
+    missing = (model.worker.weights.placement.layers[0].nbytes + model.worker.morph.headroom_bytes
+               - model.worker.budget.free_bytes)
+    assert free < -(-missing // _block_bytes(model))
     state = model.morph.to_precision("all", "fp")
     assert state["pending"] and state["waiting_for_kv_blocks"] and state["layer_counts"]["w4"] == 3
-    assert model.kv_pool.allocator.num_free == free          # nothing was detached for a restore that waits
+    assert model.instances[0].engine.scheduler.allocator.num_free == free          # nothing was detached for a restore that waits
     while engine.has_unfinished_requests():
         engine.step()                                  # the hook retries the restore at every boundary
     assert model.morph.state()["layer_counts"]["fp"] == 3
-    assert model.kv_pool.allocator.num_used == 0
+    assert model.instances[0].engine.scheduler.allocator.num_used == 0
     assert_bit_identical(model, original)
 
 
@@ -125,16 +132,16 @@ def test_bad_layer_and_precision_are_clear_errors(model):
     with pytest.raises(ValueError, match=r"precision 'int3' is unknown; allowed: fp, w8, w4"):
         model.morph.to_precision("all", "int3")
     with pytest.raises(ValueError, match="morph='fast' is unknown"):
-        from elastic_hf.model.elastic_model import ElasticModel
+        from elastic_hf import ElasticModel
         ElasticModel.from_pretrained("unused", morph="fast")
 
 
 def test_images_hold_the_variant_and_modules_view_the_arena(model):
-    store = model.morph.swapper.store
-    arena = model.weights_arena
+    store = model.worker.morph.swapper.store
+    arena = model.worker.weights.arena
     base = arena.view(0, (1,), torch.uint8, require_committed=False).data_ptr()
     for precision in ("w8", "w4"):
-        slot = model.placement.slots[0][precision]
+        slot = model.worker.weights.placement.slots[0][precision]
         for tensor in list(store.module(0, precision).parameters()) + list(store.module(0, precision).buffers()):
             assert slot.offset <= tensor.data_ptr() - base < slot.offset + slot.nbytes
     report = model.memory_report()["layer_store"]
@@ -143,20 +150,20 @@ def test_images_hold_the_variant_and_modules_view_the_arena(model):
 
 @pytest.mark.gpu
 def test_cuda_swaps_copy_from_pinned_host_on_a_side_stream(tiny_checkpoint):
-    from elastic_hf.model.elastic_model import ElasticModel
+    from elastic_hf import ElasticModel
     from elastic_hf.morph.copier import CudaCopier
 
     model = ElasticModel.from_pretrained(tiny_checkpoint("llama"), device="cuda", kv_cache_memory=8 << 20,
-                                         morph="manual", morph_options={"variants": {"use_cache": False}})
+                                         morph="manual", morph_options={"use_cache": False})
     original = snapshot(model)
-    swapper = model.morph.swapper
+    swapper = model.worker.morph.swapper
     assert isinstance(swapper.copier, CudaCopier)
     assert swapper.store.image(0, "w4").data.is_pinned() and swapper.store.image(0, "fp").data.is_pinned()
     prompt = list(range(5, 30))
     reference = model.generate(prompt, max_tokens=8, ignore_eos=True).outputs[0].token_ids
-    weights_before = model.budget.used_bytes("weights")
+    weights_before = model.worker.budget.used_bytes("weights")
     state = model.morph.to_precision("all", "w4")
-    assert state["layer_counts"]["w4"] == 3 and model.budget.used_bytes("weights") < weights_before
+    assert state["layer_counts"]["w4"] == 3 and model.worker.budget.used_bytes("weights") < weights_before
     assert len(model.generate(prompt, max_tokens=8, ignore_eos=True).outputs[0].token_ids) == 8
     model.morph.to_precision("all", "fp")
     assert_bit_identical(model, original)
@@ -164,12 +171,12 @@ def test_cuda_swaps_copy_from_pinned_host_on_a_side_stream(tiny_checkpoint):
 
 
 def test_awq_variants_are_cached_and_reload_identically(tiny_checkpoint, tmp_path):
-    from elastic_hf.model.elastic_model import ElasticModel
+    from elastic_hf import ElasticModel
 
     calib = tmp_path / "calib.txt"
     calib.write_text("The tower is 324 metres tall, about the same height as an 81-storey building. " * 60)
-    options = {"variants": {"precisions": ("w4",), "cache_dir": str(tmp_path / "cache"), "calib_path": str(calib),
-                            "calib_samples": 1, "calib_seq_len": 32}}
+    options = {"precisions": ("w4",), "cache_dir": str(tmp_path / "cache"), "calib_path": str(calib),
+               "calib_samples": 1, "calib_seq_len": 32}
     first = ElasticModel.from_pretrained(tiny_checkpoint("llama"), kv_cache_memory=1 << 20, morph="manual",
                                          morph_options=options)
     files = sorted((tmp_path / "cache").rglob("*.safetensors"))
@@ -177,7 +184,7 @@ def test_awq_variants_are_cached_and_reload_identically(tiny_checkpoint, tmp_pat
     second = ElasticModel.from_pretrained(tiny_checkpoint("llama"), kv_cache_memory=1 << 20, morph="manual",
                                           morph_options=options)
     for i in range(3):
-        a, b = first.morph.swapper.store.image(i, "w4"), second.morph.swapper.store.image(i, "w4")
+        a, b = first.worker.morph.swapper.store.image(i, "w4"), second.worker.morph.swapper.store.image(i, "w4")
         assert torch.equal(a.data, b.data) and a.specs == b.specs
     original = snapshot(second)
     second.morph.to_precision("all", "w4")

@@ -42,7 +42,7 @@ def test_decoding_continues_across_w4_and_back_without_recompute(tiny_checkpoint
     original = snapshot(model)
     prompt = list(range(3, 40))
     reference = model.generate(prompt, max_tokens=16, ignore_eos=True).outputs[0].token_ids
-    engine = model.engine
+    engine = model.instances[0].engine
     computed_before = engine.num_computed_prompt_tokens
     engine.add_request("r", prompt, SamplingParams(max_tokens=16, **GREEDY))
     seq = engine.requests["r"].seqs[0]
@@ -63,28 +63,30 @@ def test_decoding_continues_across_w4_and_back_without_recompute(tiny_checkpoint
 def test_default_model_memory_moves_from_weights_to_kv():
     """k layers of SmolLM2-135M to W4: the ledger drops by exactly k x (fp region - W4 slot); RSS by the same
     within 5 % + 2 MiB (heap noise); the KV cache grows by every whole block beyond the headroom."""
-    from elastic_hf.model.elastic_model import ElasticModel
+    from elastic_hf import ElasticModel
 
     model = ElasticModel.from_pretrained(None, kv_cache_memory=32 << 20, morph="manual",
-                                         morph_options={"variants": {"precisions": ("w4",)}})
+                                         morph_options={"precisions": ("w4",)})
     k = 6
-    placement = model.placement
-    weights_before = model.budget.used_bytes("weights")
-    blocks_before = model.kv_pool.num_blocks
-    free_before = model.budget.free_bytes
+    placement = model.worker.weights.placement
+    weights_before = model.worker.budget.used_bytes("weights")
+    blocks_before = model.worker.pool.num_blocks
+    free_before = model.worker.budget.free_bytes
     rss_before = _settled_rss()
     state = model.morph.to_precision(list(range(k)), "w4")
     rss_after = _settled_rss()
     expected = sum(placement.layers[i].nbytes - placement.slots[i]["w4"].nbytes for i in range(k))
-    assert weights_before - model.budget.used_bytes("weights") == expected
+    assert weights_before - model.worker.budget.used_bytes("weights") == expected
     assert abs((rss_before - rss_after) - expected) <= 0.05 * expected + (2 << 20), (rss_before - rss_after,
                                                                                       expected)
-    block_bytes = model.kv_pool.layout.block_bytes
-    assert model.kv_pool.num_blocks - blocks_before == (free_before + expected - state["headroom_bytes"]) // block_bytes
+    block_bytes = model.worker.pool.layout.block_bytes
+    grown = (free_before + expected - state["headroom_bytes"]) // block_bytes
+    assert model.worker.pool.num_blocks - blocks_before == grown
     # ~14.2 MB fp32 layer vs ~2.2 MB W4 image: each layer gives ~32 blocks of 16 tokens
     assert expected > k * 11_000_000
     model.morph.to_precision("all", "fp")
-    assert model.budget.used_bytes("weights") == weights_before and model.kv_pool.num_blocks == blocks_before
+    assert model.worker.budget.used_bytes("weights") == weights_before
+    assert model.worker.pool.num_blocks == blocks_before
 
 
 def test_controller_morphs_under_kv_exhaustion_and_restores_when_load_ends(tiny_checkpoint):
@@ -96,8 +98,8 @@ def test_controller_morphs_under_kv_exhaustion_and_restores_when_load_ends(tiny_
                              controller=dict(persistence_steps=2, window_steps=2, queue_delay_threshold_s=1e-3,
                                              restore_persistence_steps=4, restore_hold_s=0.0))
     original = snapshot(model)
-    engine = model.engine
-    fp_blocks = model.kv_pool.num_blocks
+    engine = model.instances[0].engine
+    fp_blocks = model.worker.pool.num_blocks
     # 12 requests of 4 blocks each: the fp cache holds 2 of them at a time
     for k in range(12):
         engine.add_request(f"q{k}", list(range(10 + k, 58 + k)), SamplingParams(max_tokens=16, **GREEDY))
@@ -105,29 +107,30 @@ def test_controller_morphs_under_kv_exhaustion_and_restores_when_load_ends(tiny_
     while engine.requests:
         finished += [o for o in engine.step() if o.finished]
         peak_running = max(peak_running, len(engine.scheduler.running))
-        peak_blocks = max(peak_blocks, model.kv_pool.num_blocks)
+        peak_blocks = max(peak_blocks, model.worker.pool.num_blocks)
     state = model.morph.state()
-    diagnostics = (state["swaps"], peak_blocks, peak_running, fp_blocks, list(model.morph.decisions),
+    diagnostics = (state["swaps"], peak_blocks, peak_running, fp_blocks, list(model.morph.manager().decisions),
                    state["last_error"], state["controller_enabled"])
     assert state["swaps"].get("fp->w4", 0) >= 1, diagnostics
     assert peak_blocks > fp_blocks and peak_running > fp_blocks // 4, diagnostics  # queued requests got admitted
     assert len(finished) == 12 and all(len(o.outputs[0].token_ids) == 16 for o in finished)
     # load is gone: idle steps (what the server's engine thread does) let the controller restore everything
-    _step_until(engine, lambda: model.morph.state()["layer_counts"]["fp"] == 3 and not model.morph.swapper.busy,
-                limit=400, what=lambda: (model.morph.state()["layer_counts"], list(model.morph.decisions)))
-    assert model.kv_pool.num_blocks == fp_blocks
+    swapper = model.worker.morph.swapper
+    _step_until(engine, lambda: model.morph.state()["layer_counts"]["fp"] == 3 and not swapper.busy,
+                limit=400, what=lambda: (model.morph.state()["layer_counts"], list(model.morph.manager().decisions)))
+    assert model.worker.pool.num_blocks == fp_blocks
     assert not engine.has_unfinished_requests()
     assert_bit_identical(model, original)
 
 
 def test_forced_morphs_never_touch_running_requests(tiny_checkpoint):
     model = tiny_morph_model(tiny_checkpoint("llama"), kv_cache_memory=64 * 12288)
-    engine = model.engine
+    engine = model.instances[0].engine
     rng = random.Random(0)
     for k in range(4):
         engine.add_request(f"f{k}", list(range(5 + k, 40 + 7 * k)), SamplingParams(max_tokens=24, **GREEDY))
-    rows = model.kv_pool.rows
-    rows_per_block = model.kv_pool.layout.rows_per_block
+    rows = model.worker.pool.rows
+    rows_per_block = model.worker.pool.layout.rows_per_block
     outputs = []
     precisions = ("fp", "w8", "w4")
     while engine.requests:
@@ -137,15 +140,15 @@ def test_forced_morphs_never_touch_running_requests(tiny_checkpoint):
         layers = sorted(rng.sample(range(3), rng.randint(1, 3)))
         precision = rng.choice(precisions)
         untouched = {n: p.detach().clone() for i in set(range(3)) - set(layers)
-                     for n, p in model.adapter.decoder_layers(model.hf_model)[i].named_parameters()}
+                     for n, p in model.worker.loaded.layers[i].named_parameters()}
         model.morph.to_precision(layers, precision)
         for b, data in kv_before.items():
             assert torch.equal(rows[b * rows_per_block:(b + 1) * rows_per_block], data), f"KV block {b} changed"
         remaining = {n: p for i in set(range(3)) - set(layers)
-                     for n, p in model.adapter.decoder_layers(model.hf_model)[i].named_parameters()}
+                     for n, p in model.worker.loaded.layers[i].named_parameters()}
         for name, value in untouched.items():
             assert torch.equal(remaining[name], value)
-        assert model.kv_pool.allocator.num_used == sum(len(s.block_ids) for s in engine.scheduler.running)
+        assert engine.scheduler.allocator.num_used == sum(len(s.block_ids) for s in engine.scheduler.running)
     finished = [o for o in outputs if o.finished]
     assert len(finished) == 4 and all(len(o.outputs[0].token_ids) == 24 for o in finished)
     assert engine.scheduler.num_preemptions == 0
@@ -165,6 +168,7 @@ def test_lis_profile_sets_the_swap_order(tiny_checkpoint, tmp_path):
         "num_layers": 3, "quant_scheme": {"quant": "w4", "group_size": 64, "method": "rtn"}, "order": [2, 0, 1]}))
     model = tiny_morph_model(checkpoint, morph="performance", profile=str(profile),
                              controller=dict(persistence_steps=1, window_steps=1, layers_per_step=1))
-    assert model.morph.order == [2, 0, 1] and model.morph.controller.order == [2, 0, 1]
+    manager = model.morph.manager()
+    assert manager.order == [2, 0, 1] and manager.controller.order == [2, 0, 1]
     with pytest.raises(ValueError, match="profile='/nope.json' does not exist"):
         tiny_morph_model(checkpoint, morph="default", profile="/nope.json")

@@ -1,14 +1,16 @@
-"""Runtime TP transformation as a transaction on 2 worker processes (3 KV heads: TP2 splits them 2 + 1):
+"""Runtime reshaping (TP layout changes) as a transaction on 2 worker processes (3 KV heads: TP2 splits them 2 + 1):
 requests decoding across [1,1] -> [2] -> [1,1] produce the tokens of an untransformed run without any re-prefill;
 scale-up gives back the freed shard pages (ledger and RSS) and scale-down takes them again; a failure before the
 commit point leaves the old topology serving every request."""
 import pytest
 
+from elastic_hf import ElasticModel
+from elastic_hf.config import EngineConfig
+from elastic_hf.engine.routing import TPPolicy
 from elastic_hf.engine.sampling_params import SamplingParams
-from elastic_hf.engine.tp_policy import TPPolicy, TPPolicyConfig
 from elastic_hf.model.loader import load_hf_model
-from elastic_hf.parallel.deployment import Deployment, ReshapeAborted
-from elastic_hf.parallel.worker import RESHAPE_STAGES
+from elastic_hf.parallel.reshape import ReshapeAborted
+from elastic_hf.parallel.worker_reshape import RESHAPE_STAGES
 from deployment_steps import run_steps
 from greedy_reference import hf_greedy, mixed_prompts
 
@@ -23,16 +25,20 @@ def setup(tp_checkpoint):
     expected = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
     # A 48-token step budget keeps some prompts mid-prefill (chunked) when a reshape starts.
     # 1 MiB of KV per worker: 51 blocks of 16 tokens, so an 880-token request is "long" for a TP1 instance.
-    dep = Deployment(str(path), num_workers=2, kv_cache_memory=1 << 20, max_num_batched_tokens=48)
-    yield dep, prompts, expected, reference
-    dep.close()
+    model = ElasticModel.from_pretrained(path, workers=2, kv_cache_memory=1 << 20, max_num_batched_tokens=48)
+    yield model.deployment, prompts, expected, reference
+    model.close()
 
 
 def _submit(dep, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-    return [dep.add_request(p, params) for p in prompts]
+    return [dep.add_request(None, p, params) for p in prompts]
 
 
+def _generate(dep, prompts):
+    ids = _submit(dep, prompts)
+    done = run_steps(dep, ids, {})
+    return [done[r] for r in ids]
 
 
 def _by_worker(dep, key):
@@ -43,8 +49,7 @@ def test_idle_reshape_to_tp2_matches_hf(setup):
     dep, prompts, expected, _ = setup
     dep.reshape([2])
     try:
-        outs = dep.generate(prompts[:4], max_tokens=MAX_NEW)
-        assert [o.outputs[0].token_ids for o in outs] == expected[:4]
+        assert _generate(dep, prompts[:4]) == expected[:4]
     finally:
         dep.reshape([1, 1])
 
@@ -84,7 +89,7 @@ def test_decoding_across_scale_up_and_down_is_exact_without_recompute(setup):
     # Exactly one prefill per prompt token: no request was recomputed across the two transforms.
     assert stats["num_computed_prompt_tokens"] - prompt_tokens_before == sum(len(p) for p in prompts)
     text = dep.metrics.render().decode()
-    assert 'elastic_hf_instances{tp="1"} 2.0' in text and "elastic_hf_tp_transform_seconds_count" in text
+    assert 'elastic_hf_instances{tp="1"} 2.0' in text and "elastic_hf_reshape_seconds_count" in text
 
 
 @pytest.mark.parametrize("stage", RESHAPE_STAGES)
@@ -94,7 +99,7 @@ def test_failure_before_commit_rolls_back(setup, stage):
     ids = _submit(dep, prompts[:4])
     done = run_steps(dep, ids, {}, num_steps=5)
     before = dep.memory_report()
-    dep.call(1, "arm_fault", stage)
+    dep.pool.call(1, "reshape.arm_fault", stage)
     with pytest.raises(ReshapeAborted, match=stage):
         dep.reshape([2])
     assert str(dep.topology) == "[1,1]" and not dep.reshapes[-1].committed
@@ -110,11 +115,11 @@ def test_worker_killed_before_commit_is_replaced_and_old_topology_serves(setup):
     dep, prompts, expected, _ = setup
     ids = _submit(dep, prompts[:4])
     done = run_steps(dep, ids, {}, num_steps=5)
-    old_pid = dep.call(1, "ping")
-    dep.call(1, "arm_fault", "kv_migrate", True)
+    old_pid = dep.pool.call(1, "ping")
+    dep.pool.call(1, "reshape.arm_fault", "kv_migrate", True)
     with pytest.raises(ReshapeAborted, match="died"):
         dep.reshape([2])
-    assert str(dep.topology) == "[1,1]" and dep.call(1, "ping") != old_pid
+    assert str(dep.topology) == "[1,1]" and dep.pool.call(1, "ping") != old_pid
     run_steps(dep, ids, done)
     assert [done[r] for r in ids] == expected[:4]  # worker 1's requests were recomputed, none was lost
 
@@ -123,13 +128,13 @@ def test_worker_killed_after_commit_is_replaced_with_its_shard(setup):
     dep, prompts, expected, _ = setup
     ids = _submit(dep, prompts[:4])
     done = run_steps(dep, ids, {}, num_steps=5)
-    dep.call(1, "arm_fault", "committed", True)
+    dep.pool.call(1, "reshape.arm_fault", "committed", True)
     recoveries = dep.num_recoveries
     dep.reshape([2])  # worker 1 dies right after its commit: the new topology stands, worker 1 is replaced
     assert str(dep.topology) == "[2]" and dep.num_recoveries == recoveries + 1
     report = dep.memory_report()[1]
-    assert report["topology"] == "[2]" and report["weights_bytes"] == dep.call(1, "shard_bytes", 2, 1)
-    assert report["weights_bytes"] < dep.call(1, "shard_bytes", 1, 0)  # only its shard came back
+    assert report["topology"] == "[2]" and report["weights_bytes"] == dep.pool.call(1, "shard_bytes", 2, 1)
+    assert report["weights_bytes"] < dep.pool.call(1, "shard_bytes", 1, 0)  # only its shard came back
     run_steps(dep, ids, done)
     assert [done[r] for r in ids] == expected[:4]
     dep.reshape([1, 1])
@@ -141,7 +146,7 @@ def test_elastic_policy_merges_for_a_long_request_and_splits_back(setup):
     long_prompt = mixed_prompts(dep.tokenizer, 1, 880, 880, seed=22)[0]
     assert -(-(880 + MAX_NEW) // 16) > dep.tp1_blocks  # does not fit one TP1 worker's KV cache
     static_policy = dep.policy
-    dep.policy = TPPolicy(TPPolicyConfig("elastic", "elastic"), dep.degrees)
+    dep.policy = TPPolicy(EngineConfig(tp_policy="elastic", router="elastic"), dep.degrees)
     try:
         first = _submit(dep, prompts[:2])
         done = run_steps(dep, first, {}, num_steps=2)
@@ -177,7 +182,7 @@ def test_scale_down_gathers_weight_chunks_from_peers(setup):
     for w, stats in enumerate(down.worker_stats):
         assert stats["gather"]["gathered_bytes"] > 0 and stats["gather"]["sent_bytes"] > 0
         assert stats["weights_last"][0] == 0  # nothing read from the host store
-    assert [r["weights_bytes"] for r in dep.memory_report()] == [dep.call(w, "shard_bytes", 1, 0) for w in (0, 1)]
+    assert [r["weights_bytes"] for r in dep.memory_report()] == [dep.pool.call(w, "shard_bytes", 1, 0) for w in (0, 1)]
     run_steps(dep, ids, done)
     assert [done[r] for r in ids] == expected[:4]
     with pytest.raises(ValueError, match="weights_source"):
@@ -191,15 +196,15 @@ def test_standby_and_wake_up_keep_requests_exact(setup):
     prompt_tokens_before = dep.stats()["num_computed_prompt_tokens"]
     ids = _submit(dep, prompts[:3])
     done = run_steps(dep, ids, {}, num_steps=4)
-    pid = dep.call(1, "ping")
+    pid = dep.pool.call(1, "ping")
     down = dep.reshape([1])  # worker 1 hands its requests' KV to worker 0's pool and goes to standby
     assert down.committed and [i.workers for i in dep.instances] == [(0,)]
     standby = dep.memory_report()[1]
     assert standby["kv_blocks"] == 0 and standby["kv_bytes"] == 0
-    assert standby["weights_bytes"] == dep.call(1, "info")["replicated_weights_bytes"]  # its shard went back
+    assert standby["weights_bytes"] == dep.pool.call(1, "info")["replicated_weights_bytes"]  # its shard went back
     run_steps(dep, ids, done, num_steps=3)
     up = dep.reshape([2])    # wake-up in the same process: shard from the host store, KV by head range
-    assert up.committed and dep.call(1, "ping") == pid
+    assert up.committed and dep.pool.call(1, "ping") == pid
     run_steps(dep, ids, done, num_steps=3)
     dep.reshape([1, 1])
     run_steps(dep, ids, done)
@@ -208,15 +213,14 @@ def test_standby_and_wake_up_keep_requests_exact(setup):
 
 
 def test_async_engine_serves_a_deployment_across_a_reshape(setup):
-    """The server's AsyncEngine drives the deployment through DeploymentEngine; an admin-style reshape runs on
-    the engine thread between steps while streams are open."""
+    """The server's AsyncEngine drives the deployment itself (it is an engine); an admin-style reshape runs on the
+    engine thread between steps while streams are open."""
     import asyncio
 
     from elastic_hf.engine.async_engine import AsyncEngine
-    from elastic_hf.parallel.deployment_engine import DeploymentEngine
 
     dep, prompts, expected, _ = setup
-    engine = DeploymentEngine(dep)
+    engine = dep
     async_engine = AsyncEngine(engine).start()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
@@ -240,7 +244,7 @@ def test_async_engine_serves_a_deployment_across_a_reshape(setup):
         async_engine.shutdown()
     assert outputs == expected[:4] and up.committed and down.committed
     assert engine.stats()["kv_blocks_used"] == 0
-    assert b"elastic_hf_tp_transforms_total" in async_engine.metrics.render()
+    assert b"elastic_hf_reshapes_total" in async_engine.metrics.render()
 
 
 def test_bad_reshape_and_routing_input_is_refused_cleanly(setup):
@@ -248,10 +252,10 @@ def test_bad_reshape_and_routing_input_is_refused_cleanly(setup):
     with pytest.raises(ValueError, match="not a candidate"):
         dep.reshape([3])
     with pytest.raises(ValueError, match=r"instance must be in \[0, 2\)"):
-        dep.add_request(prompts[0], instance=5)
-    rid = dep.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
+        dep.add_request(None, prompts[0], instance=5)
+    rid = dep.add_request(None, prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
     with pytest.raises(ValueError, match="already in use"):
-        dep.add_request(prompts[1], request_id=rid)
+        dep.add_request(rid, prompts[1])
     dep.abort_request(rid)
     dep.abort_request(rid)  # idempotent
     assert not dep.has_unfinished_requests() and str(dep.topology) == "[1,1]"

@@ -2,19 +2,19 @@
 all-reduce sums partials in a different order, so logits differ by float round-off, tokens do not)."""
 import pytest
 
+from elastic_hf import ElasticModel
 from elastic_hf.model.loader import load_hf_model
-from elastic_hf.parallel.deployment import Deployment
 from deployment_steps import run_steps
 from greedy_reference import hf_greedy, mixed_prompts
 
 MAX_NEW = 12
 
 
-def _check(dep: Deployment, reference, prompts, max_new=MAX_NEW):
-    outputs = dep.generate(prompts, max_tokens=max_new)
+def _check(model: ElasticModel, reference, prompts, max_new=MAX_NEW):
+    outputs = model.generate(prompts, max_tokens=max_new)
     for prompt, out in zip(prompts, outputs):
         assert out.outputs[0].token_ids == hf_greedy(reference, prompt, max_new), \
-            f"prompt of {len(prompt)} tokens diverged at topology {dep.topology}"
+            f"prompt of {len(prompt)} tokens diverged at topology {model.deployment.topology}"
 
 
 def test_tp2_started_directly_with_uneven_kv_heads_and_biases_matches_hf(tp_checkpoint):
@@ -22,11 +22,11 @@ def test_tp2_started_directly_with_uneven_kv_heads_and_biases_matches_hf(tp_chec
     path = tp_checkpoint("kv3", "qwen2")
     reference, tokenizer = load_hf_model(path)
     prompts = mixed_prompts(tokenizer, 6, 3, 80, seed=11)
-    with Deployment(str(path), num_workers=2, topology=(2,), kv_cache_memory=4 << 20,
-                    max_num_batched_tokens=64) as dep:  # chunked prefill shares steps with decodes
-        _check(dep, reference, prompts)
-        num_blocks = dep.instances[0].engine.scheduler.allocator.num_total
-        assert [r["kv_blocks"] for r in dep.memory_report()] == [num_blocks, num_blocks]
+    with ElasticModel.from_pretrained(path, workers=2, tp=2, kv_cache_memory=4 << 20,
+                                      max_num_batched_tokens=64) as model:  # chunked prefill shares steps
+        _check(model, reference, prompts)
+        num_blocks = model.instances[0].engine.scheduler.allocator.num_total
+        assert [r["kv_blocks"] for r in model.memory_report()["workers"]] == [num_blocks, num_blocks]
 
 
 def test_tp4_and_tp2_plus_two_tp1_match_hf_across_reshapes(tp_checkpoint):
@@ -36,9 +36,10 @@ def test_tp4_and_tp2_plus_two_tp1_match_hf_across_reshapes(tp_checkpoint):
     path = tp_checkpoint("kv4")
     reference, tokenizer = load_hf_model(path)
     prompts = mixed_prompts(tokenizer, 8, 3, 60, seed=12)
-    with Deployment(str(path), num_workers=4, kv_cache_memory=2 << 20) as dep:
+    with ElasticModel.from_pretrained(path, workers=4, kv_cache_memory=2 << 20) as model:
+        dep = model.deployment
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-        ids = [dep.add_request(p, params) for p in prompts]
+        ids = [dep.add_request(None, p, params) for p in prompts]
         done = run_steps(dep, ids, {}, num_steps=3)
         assert dep.reshape([4]).committed and [i.tp for i in dep.instances] == [4]
         run_steps(dep, ids, done, num_steps=3)
@@ -55,5 +56,5 @@ def test_tp2_default_model_matches_hf():
     path = resolve_model(None).checkpoint_dir
     reference, tokenizer = load_hf_model(path)
     prompts = mixed_prompts(tokenizer, 2, 5, 40, seed=13)
-    with Deployment(None, num_workers=2, topology=(2,), kv_cache_memory=32 << 20) as dep:
-        _check(dep, reference, prompts, max_new=6)
+    with ElasticModel.from_pretrained(None, workers=2, tp=2, kv_cache_memory=32 << 20) as model:
+        _check(model, reference, prompts, max_new=6)

@@ -15,7 +15,7 @@ def serving_checkpoint(tiny_checkpoint):
 @pytest.fixture(scope="session")
 def tiny_server(serving_checkpoint):
     """One server over the tiny model for the whole session, with an API key (auth is part of every test)."""
-    from elastic_hf.model.elastic_model import ElasticModel
+    from elastic_hf import ElasticModel
 
     model = ElasticModel.from_pretrained(serving_checkpoint, max_model_len=TINY_MAX_MODEL_LEN,
                                          kv_cache_memory=64 << 20, max_num_seqs=64, max_num_batched_tokens=512)
@@ -27,7 +27,7 @@ def tiny_server(serving_checkpoint):
 @pytest.fixture(scope="module")
 def default_server():
     """The embedded SmolLM2-135M-Instruct, for a quality check through the real client."""
-    from elastic_hf.model.elastic_model import ElasticModel
+    from elastic_hf import ElasticModel
 
     model = ElasticModel.from_pretrained(None, max_model_len=2048, kv_cache_memory=256 << 20)
     handle, stop = start_server(model, prompts=["The capital of France is"],

@@ -1,7 +1,11 @@
-"""`elastic-hf serve --workers 2`: a real two-process deployment behind the HTTP server; POST /admin/reshape
-merges the two TP1 instances into one TP2 instance and splits them back while the server keeps answering the
-same greedy text."""
+"""`elastic-hf serve --workers 2 --morph default`: a real two-process deployment behind the HTTP server. Under a load
+that exhausts the KV caches the workers morph their own layers to W4 (the controller, not a forced call); POST
+/admin/reshape then merges the two TP1 instances into one TP2 instance (bringing the layers back to full precision
+first) and splits them back, and the server answers the same greedy text as before the load; /admin/morph and
+/admin/reshape live on the same server."""
+import concurrent.futures
 import os
+import time
 
 import httpx
 import pytest
@@ -9,29 +13,55 @@ import pytest
 from test_cli import start_cli_server, stop_cli_server
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
+PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,"]
+LOAD_PROMPT = "The history of the Roman Empire spans more than a thousand years, from the founding of the city"
 
 
 @pytest.fixture(scope="module")
 def deployment_server(serving_checkpoint):
     env = {**os.environ, "ELASTIC_HF_ADMIN_KEY": "admin-secret"}
-    proc, base = start_cli_server([serving_checkpoint, "--workers", "2", "--kv-cache-memory", "16MiB",
-                                   "--max-model-len", "256", "--log-level", "warning"], env)
+    # 256 KiB of KV per worker: 21 blocks of 16 tokens, so a handful of long requests exhausts a TP1 instance.
+    proc, base = start_cli_server([serving_checkpoint, "--workers", "2", "--morph", "default", "--kv-cache-memory",
+                                   "256KiB", "--max-model-len", "256", "--log-level", "warning"], env)
     yield base
     stop_cli_server(proc)
 
 
-def _complete(base: str, prompt: str) -> str:
-    model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
-    resp = httpx.post(base + "/v1/completions", timeout=120,
-                      json={"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0})
+def _model(base: str) -> str:
+    return httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def _complete(base: str, prompt: str, max_tokens: int = 12) -> dict:
+    resp = httpx.post(base + "/v1/completions", timeout=300,
+                      json={"model": _model(base), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True})
     assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]["text"]
+    return resp.json()
 
 
-def test_reshape_through_admin_route_keeps_answers(deployment_server):
+def _answers(base: str) -> list[str]:
+    return [_complete(base, p)["choices"][0]["text"] for p in PROMPTS]
+
+
+def _morph_state(base: str, instance: int) -> httpx.Response:
+    return httpx.get(base + "/admin/morph", params={"instance": instance}, headers=ADMIN, timeout=30)
+
+
+def test_serve_two_workers_morphs_under_load_reshapes_and_answers_exactly(deployment_server):
     base = deployment_server
-    prompts = ["The quick brown fox", "Once upon a time, in a land far away,"]
-    before = [_complete(base, p) for p in prompts]
+    before = _answers(base)
+
+    # Load: 8 long requests at once, more than both KV caches hold at full precision.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_complete, base, LOAD_PROMPT, 100) for _ in range(8)]
+        morphed = 0
+        while not all(f.done() for f in futures):
+            morphed = max(morphed, sum(_morph_state(base, i).json()["swaps"].get("fp->w4", 0) for i in (0, 1)))
+            time.sleep(0.05)
+        results = [f.result() for f in futures]
+    assert all(r["usage"]["completion_tokens"] == 100 for r in results)
+    swaps = [_morph_state(base, i).json()["swaps"] for i in (0, 1)]
+    assert max(morphed, sum(s.get("fp->w4", 0) for s in swaps)) >= 1, swaps   # the controller morphed under load
 
     assert httpx.post(base + "/admin/reshape", json={"topology": [2]}, timeout=30).status_code == 401
     bad = httpx.post(base + "/admin/reshape", json={"topology": [3]}, headers=ADMIN, timeout=30)
@@ -41,9 +71,20 @@ def test_reshape_through_admin_route_keeps_answers(deployment_server):
     assert merged.status_code == 200, merged.text
     assert merged.json()["committed"] and merged.json()["new"] == "[2]"
     assert httpx.get(base + "/admin/reshape", headers=ADMIN, timeout=10).json()["topology"] == [2]
-    assert [_complete(base, p) for p in prompts] == before  # TP2 gives the TP1 tokens
+    tp2 = _morph_state(base, 0)
+    assert tp2.status_code == 409 and tp2.json()["error"]["code"] == "instance_not_tp1"
+    assert _answers(base) == before  # TP2 at full precision gives the TP1 tokens
 
     split = httpx.post(base + "/admin/reshape", json={"topology": [1, 1]}, headers=ADMIN, timeout=120)
     assert split.status_code == 200 and split.json()["new"] == "[1,1]"
-    assert [_complete(base, p) for p in prompts] == before
-    assert "elastic_hf" in httpx.get(base + "/metrics", timeout=10).text
+    assert _answers(base) == before
+    states = [_morph_state(base, i).json() for i in (0, 1)]
+    assert [s["worker"] for s in states] == [0, 1] and all(s["layer_counts"]["fp"] == 3 for s in states)
+    metrics = httpx.get(base + "/metrics", timeout=10).text
+    assert 'elastic_hf_reshapes_total{outcome="committed"} 2.0' in metrics
+    assert 'elastic_hf_morph_layers{precision="fp",worker="1"} 3.0' in metrics
+
+
+def test_morph_route_rejects_an_unknown_instance(deployment_server):
+    response = _morph_state(deployment_server, 5)
+    assert response.status_code == 404 and "instances 0..1" in response.json()["error"]["message"]

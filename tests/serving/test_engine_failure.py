@@ -12,7 +12,7 @@ from serving_helpers import MAX_TOKENS, PROMPTS, TINY_MAX_MODEL_LEN, start_serve
 
 @pytest.fixture(scope="module")
 def flaky_server(serving_checkpoint):
-    from elastic_hf.model.elastic_model import ElasticModel
+    from elastic_hf import ElasticModel
 
     model = ElasticModel.from_pretrained(serving_checkpoint, max_model_len=TINY_MAX_MODEL_LEN,
                                          kv_cache_memory=16 << 20)

@@ -1,7 +1,8 @@
 """Routing across instances and when to change their TP degree (Gyges §5 Alg. 1-2, AMOEBA §3.3), torch-free.
 
-The deployment hands over a snapshot of every instance's KV load; the policy answers with an instance to route to,
-or a target topology (a tuple of TP degrees over consecutive workers) to reshape into first. Routers:
+The deployment hands over a snapshot of every instance's KV load; the policy answers with a decision as data: an
+instance to route to, or a target topology (a tuple of TP degrees over consecutive workers) to reshape into first.
+The deployment executes it. Routers:
 - "elastic": only instances that can hold the request (input + output blocks vs free blocks), fewest requests per
   worker first; long requests prefer instances already at TP > 1 (consecutive long requests reuse the merge), short
   ones see a merged instance as one request busier so that it drains and can split back;
@@ -12,8 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-ROUTERS = ("elastic", "least_load", "round_robin")
-TP_POLICIES = ("static", "elastic")
+from elastic_hf.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,35 +35,53 @@ class InstanceLoad:
         return self.num_used_blocks / max(self.num_total_blocks, 1)
 
 
-@dataclass(slots=True)
-class TPPolicyConfig:
-    tp_policy: str = "elastic"
-    router: str = "elastic"
-    scale_down_load: float = 0.5   # split a merged instance once no long request remains and its load is below
-
-    def __post_init__(self):
-        if self.tp_policy not in TP_POLICIES:
-            raise ValueError(f"tp_policy must be one of {TP_POLICIES}, got {self.tp_policy!r}")
-        if self.router not in ROUTERS:
-            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
-        if not 0.0 < self.scale_down_load <= 1.0:
-            raise ValueError(f"scale_down_load must be in (0, 1], got {self.scale_down_load}")
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Where a new request goes: `instance`, or first `merge_to` (a topology to reshape into), then ask again."""
+    instance: int | None
+    merge_to: tuple[int, ...] | None = None
 
 
 class TPPolicy:
-    def __init__(self, config: TPPolicyConfig | None = None, degrees: tuple[int, ...] = (1, 2)):
-        self.config = config or TPPolicyConfig()
+    def __init__(self, config: EngineConfig, degrees: tuple[int, ...] = (1, 2)):
+        """Reads tp_policy, router and scale_down_load of the config; degrees: the TP degrees allowed."""
+        self.tp_policy = config.tp_policy
+        self.router = config.router
+        self.scale_down_load = config.scale_down_load
         self.degrees = tuple(degrees)
         self._rr = itertools.count()
 
     @property
     def is_elastic(self) -> bool:
-        return self.config.tp_policy == "elastic"
+        return self.tp_policy == "elastic"
+
+    def admit(self, loads: list[InstanceLoad], sizes: tuple[int, ...], num_blocks: int, is_long: bool,
+              merge_failed: bool = False) -> Admission:
+        """Routing plus scale-up (Gyges Alg. 1): route; when the pick cannot ever hold the request, or the elastic
+        router wants a merged instance for a long request, merge two instances first (merge_to), unless a merge
+        was just refused (merge_failed): then queue it on an instance that can ever hold it."""
+        instance, fits_now = self.route(loads, num_blocks, is_long)
+        never_fits = loads[instance].num_total_blocks < num_blocks
+        wants_more = is_long and not fits_now and self.router == "elastic"
+        if not (never_fits or wants_more):
+            return Admission(instance)
+        if not merge_failed:
+            anchor = None if self.router == "elastic" else instance
+            target = self.scale_up_target(sizes, loads, anchor)
+            if target is None and anchor is not None:  # the baseline's pick has no equal neighbour
+                target = self.scale_up_target(sizes, loads, None)
+            if target is not None:
+                return Admission(None, target)
+        if never_fits:
+            holders = [x for x in loads if x.num_total_blocks >= num_blocks]
+            if holders:
+                instance = min(holders, key=lambda x: (x.load, x.index)).index
+        return Admission(instance)
 
     # ------------------------------------------------------------------ Alg. 1: routing
     def route(self, loads: list[InstanceLoad], num_blocks: int, is_long: bool) -> tuple[int, bool]:
         """(instance index, whether it can hold the request now). The baselines pick first and check after."""
-        router = self.config.router
+        router = self.router
         if router == "round_robin":
             pick = loads[next(self._rr) % len(loads)]
             return pick.index, pick.num_free_blocks >= num_blocks
@@ -113,7 +131,7 @@ class TPPolicy:
         for i, x in enumerate(loads):
             # The live blocks must fit the halves with room to spare: scale-down is KV first, so each worker holds
             # its old head range and the new full-head copy until the commit point.
-            fits = x.num_used_blocks < self.config.scale_down_load * x.num_split_blocks
+            fits = x.num_used_blocks < self.scale_down_load * x.num_split_blocks
             if x.tp > 1 and x.num_long == 0 and fits and x.tp // 2 in self.degrees:
                 half = x.tp // 2
                 return sizes[:i] + (half, half) + sizes[i + 1:]

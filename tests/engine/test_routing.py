@@ -2,7 +2,8 @@
 instances, merges are x2 of equal adjacent degrees, merged instances split back when drained."""
 import pytest
 
-from elastic_hf.engine.tp_policy import InstanceLoad, TPPolicy, TPPolicyConfig
+from elastic_hf.config import EngineConfig
+from elastic_hf.engine.routing import Admission, InstanceLoad, TPPolicy
 
 
 def _loads(*specs):
@@ -12,7 +13,7 @@ def _loads(*specs):
 
 
 def test_elastic_router_prefers_tp1_for_short_and_merged_for_long():
-    policy = TPPolicy(TPPolicyConfig("elastic", "elastic"), (1, 2, 4))
+    policy = TPPolicy(EngineConfig(tp_policy="elastic", router="elastic"), (1, 2, 4))
     loads = _loads((2, 300, 100, 1), (1, 50, 10, 0), (1, 50, 40, 0))
     assert policy.route(loads, 5, is_long=False) == (1, True)      # 1 request vs (10 + 1) / 2 and 4
     assert policy.route(_loads((2, 300, 20, 0), (1, 50, 40, 0)), 5, is_long=False) == (0, True)  # 1.5 < 4
@@ -21,32 +22,43 @@ def test_elastic_router_prefers_tp1_for_short_and_merged_for_long():
 
 
 def test_baselines_pick_first_and_check_after():
-    rr = TPPolicy(TPPolicyConfig("elastic", "round_robin"))
+    rr = TPPolicy(EngineConfig(tp_policy="elastic", router="round_robin"))
     loads = _loads((1, 50, 0, 0), (1, 50, 0, 0))
     assert [rr.route(loads, 60, True) for _ in range(3)] == [(0, False), (1, False), (0, False)]
-    llf = TPPolicy(TPPolicyConfig("elastic", "least_load"))
+    llf = TPPolicy(EngineConfig(tp_policy="elastic", router="least_load"))
     assert llf.route(_loads((1, 50, 30, 0), (1, 50, 10, 0)), 5, False) == (1, True)
 
 
 def test_scale_up_merges_least_loaded_equal_pair():
-    policy = TPPolicy(TPPolicyConfig("elastic", "elastic"), (1, 2, 4))
+    policy = TPPolicy(EngineConfig(tp_policy="elastic", router="elastic"), (1, 2, 4))
     loads = _loads((1, 50, 40, 0), (1, 50, 30, 0), (1, 50, 0, 0), (1, 50, 5, 0))
     assert policy.scale_up_target((1, 1, 1, 1), loads) == (1, 1, 2)
     assert policy.scale_up_target((1, 1, 1, 1), loads, anchor=0) == (2, 1, 1)
     assert policy.scale_up_target((2, 2), _loads((2, 90, 0, 0), (2, 90, 0, 0))) == (4,)
     assert policy.scale_up_target((2, 1, 1), _loads((2, 90, 0, 0), (1, 50, 0, 0), (1, 50, 0, 0))) == (2, 2)
-    assert TPPolicy(TPPolicyConfig("static")).scale_up_target((1, 1), _loads((1, 5, 0, 0), (1, 5, 0, 0))) is None
+    assert TPPolicy(EngineConfig(tp_policy="static")).scale_up_target((1, 1), _loads((1, 5, 0, 0), (1, 5, 0, 0))) is None
 
 
 def test_scale_down_waits_for_long_requests_and_low_load():
-    policy = TPPolicy(TPPolicyConfig("elastic", "elastic"), (1, 2))
+    policy = TPPolicy(EngineConfig(tp_policy="elastic", router="elastic"), (1, 2))
     assert policy.scale_down_target((2,), _loads((2, 100, 10, 1))) is None   # a long request is still there
     assert policy.scale_down_target((2,), _loads((2, 100, 25, 0))) is None   # above 50 % of the halves' 40
     assert policy.scale_down_target((2,), _loads((2, 100, 10, 0))) == (1, 1)
 
 
+def test_admission_merges_first_when_nothing_can_ever_hold_the_request():
+    policy = TPPolicy(EngineConfig(tp_policy="elastic", router="elastic"), (1, 2))
+    loads = _loads((1, 50, 0, 0), (1, 50, 10, 0))
+    assert policy.admit(loads, (1, 1), 10, is_long=False) == Admission(0)
+    assert policy.admit(loads, (1, 1), 80, is_long=True) == Admission(None, (2,))
+    # the merge was refused: queue it where it could fit some day, here nowhere -> the router's pick
+    assert policy.admit(loads, (1, 1), 80, is_long=True, merge_failed=True) == Admission(0)
+    static = TPPolicy(EngineConfig(tp_policy="static"), (1, 2))
+    assert static.admit(loads, (1, 1), 80, is_long=True) == Admission(0)
+
+
 def test_config_is_validated():
     with pytest.raises(ValueError, match="tp_policy"):
-        TPPolicyConfig("dynamic")
+        EngineConfig(tp_policy="dynamic")
     with pytest.raises(ValueError, match="router"):
-        TPPolicyConfig("elastic", "random")
+        EngineConfig(tp_policy="elastic", router="random")

@@ -1,0 +1,161 @@
+"""The one configuration of elastic-hf, validated at construction (torch-free).
+
+`ElasticModel.from_pretrained(**options)` and `elastic-hf serve` build an `EngineConfig`; the control plane
+(schedulers, router, morph controllers), every worker (in-process for one worker, its own process otherwise) and
+the server are all built from it. Memory sizes are per worker: a worker's budget is what it may commit in its
+arenas (weights + KV cache + the headroom precision morphing keeps free)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from elastic_hf.units import parse_memory_budget
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+TP_POLICIES = ("static", "elastic")
+ROUTERS = ("elastic", "least_load", "round_robin")
+MORPH_MODES = ("off", "manual", "accuracy", "default", "performance")   # manual: only forced swaps
+CONTROLLER_MODES = ("accuracy", "default", "performance")
+MODE_PRECISION = {"accuracy": "w8", "default": "w4", "performance": "w4"}  # what a mode's morphs swap layers to
+QUANT_PRECISIONS = ("w8", "w4")
+W4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_KV_CACHE_MEMORY = 1 << 30   # KV bytes of a worker when no memory budget is given
+MAX_WORKERS = 8
+
+
+@dataclass(slots=True)
+class MorphConfig:
+    """Precision morphing (MorphServe): which variants every worker keeps in host memory and how it swaps."""
+    mode: str = "off"                    # off | manual | accuracy | default | performance
+    profile: str | None = None           # LIS profile JSON (`elastic-hf profile`); None: front to back
+    precisions: tuple[str, ...] = QUANT_PRECISIONS   # quantized variants kept for every layer
+    w4_group_size: int = 64
+    calib_path: str | None = None        # calibration text: AWQ scales when given, round-to-nearest otherwise
+    calib_samples: int = 4               # windows of calib_seq_len tokens used by the AWQ search
+    calib_seq_len: int = 256
+    use_cache: bool = True               # cache built variants under the user cache dir
+    cache_dir: str | None = None         # default: <user cache>/elastic-hf/morph-variants
+    controller: dict = field(default_factory=dict)   # ControllerConfig overrides on top of the mode's preset
+
+    def __post_init__(self):
+        if self.mode not in MORPH_MODES:
+            raise ValueError(f"morph={self.mode!r} is unknown; allowed: {', '.join(MORPH_MODES)}")
+        self.precisions = tuple(self.precisions)
+        bad = [p for p in self.precisions if p not in QUANT_PRECISIONS]
+        if bad or not self.precisions or len(set(self.precisions)) != len(self.precisions):
+            raise ValueError(f"precisions={self.precisions!r}: give distinct names from {QUANT_PRECISIONS}")
+        if self.w4_group_size not in W4_GROUP_SIZES:
+            raise ValueError(f"w4_group_size={self.w4_group_size} must be one of {W4_GROUP_SIZES}")
+        for name in ("profile", "calib_path"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                hint = "; create one with `elastic-hf profile`" if name == "profile" else ""
+                raise ValueError(f"{name}={str(path)!r} does not exist{hint}")
+        if self.calib_samples < 1 or self.calib_seq_len < 2:
+            raise ValueError(f"calib_samples={self.calib_samples} must be >= 1 and calib_seq_len="
+                             f"{self.calib_seq_len} >= 2")
+        if not isinstance(self.controller, dict):
+            raise ValueError(f"controller must be a dict of ControllerConfig overrides, got {self.controller!r}")
+        if self.mode in CONTROLLER_MODES:
+            precision = self.controller.get("precision", MODE_PRECISION[self.mode])
+            if precision not in self.precisions:
+                raise ValueError(f"morph={self.mode!r} swaps layers to {precision} but the layer store keeps only "
+                                 f"{list(self.precisions)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def method(self) -> str:
+        """How the quantization scales are chosen: AWQ with calibration text, round-to-nearest without."""
+        return "awq" if self.calib_path else "rtn"
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None             # checkpoint dir or .gguf file; None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "float32"               # float32 | bfloat16 | float16 (aliases fp32, bf16, fp16, torch dtypes)
+    device: str = "cpu"                  # cpu | cuda (worker i of a deployment uses cuda:i)
+    # -- memory, per worker
+    memory_budget: int | float | str | None = None   # bytes, "2GiB", or a fraction of the device ("0.5")
+    kv_cache_memory: int | str | None = None         # KV bytes when memory_budget is None (default 1 GiB)
+    page_size: int | None = None         # arena page; None: the backend's (OS page on CPU, 2 MiB on CUDA)
+    block_size: int = 16                 # tokens per KV block
+    # -- scheduling, per instance
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None     # None: what the model and the largest reachable KV cache allow, <= 8192
+    # -- deployment
+    num_workers: int = 1                 # 1: one worker driven in-process; more: worker processes (torch.distributed)
+    topology: tuple[int, ...] | None = None   # TP degree of each instance over consecutive workers; None: all TP1
+    tp_policy: str = "static"            # elastic: merge instances for long requests, split back (Gyges §5)
+    router: str | None = None            # elastic | least_load | round_robin; None: elastic iff tp_policy elastic
+    scale_down_load: float = 0.5         # split a merged instance once no long request remains and load is below
+    threads_per_worker: int | None = None   # torch threads of a worker process; None: cores / workers
+    start_timeout_s: float = 300.0       # how long worker processes may take to load
+    # -- precision morphing
+    morph: MorphConfig = field(default_factory=MorphConfig)
+
+    def __post_init__(self):
+        self.dtype = _canonical_dtype(self.dtype)
+        if not isinstance(self.device, str):
+            self.device = str(self.device)
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.memory_budget is not None:
+            # Fractions need the device's size: checked when the worker starts; the syntax is checked now.
+            parse_memory_budget(self.memory_budget, 1 << 62)
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_memory_budget(self.kv_cache_memory, None)
+        if self.page_size is not None and (self.page_size < 1 or self.page_size & (self.page_size - 1)):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 1 <= self.num_workers <= MAX_WORKERS:
+            raise ValueError(f"num_workers must be in [1, {MAX_WORKERS}], got {self.num_workers}")
+        self.topology = (1,) * self.num_workers if self.topology is None else tuple(int(t) for t in self.topology)
+        if not self.topology or any(t < 1 for t in self.topology) or sum(self.topology) > self.num_workers:
+            raise ValueError(f"topology {list(self.topology)} must give each instance a TP degree >= 1 and cover "
+                             f"at most num_workers={self.num_workers} workers (the rest wait in standby)")
+        if self.tp_policy not in TP_POLICIES:
+            raise ValueError(f"tp_policy must be one of {TP_POLICIES}, got {self.tp_policy!r}")
+        if self.router is None:
+            self.router = "elastic" if self.tp_policy == "elastic" else "least_load"
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if not 0.0 < self.scale_down_load <= 1.0:
+            raise ValueError(f"scale_down_load must be in (0, 1], got {self.scale_down_load}")
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}")
+        if isinstance(self.morph, str):
+            self.morph = MorphConfig(mode=self.morph)
+        elif isinstance(self.morph, dict):
+            self.morph = MorphConfig(**self.morph)
+
+    @property
+    def kv_bytes_per_worker(self) -> int:
+        """KV bytes of a worker as a TP1 instance when no memory budget is given."""
+        return self.kv_cache_memory if self.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def _canonical_dtype(dtype) -> str:
+    if dtype is None:
+        return "float32"
+    if not isinstance(dtype, str):  # a torch.dtype, without importing torch here
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]

@@ -1,0 +1,263 @@
+"""ElasticModel: the one user-facing object over a deployment of one worker (in this process) or several (worker
+processes joined by torch.distributed). `generate`, `chat` and `stream` drive the deployment in the calling thread;
+the server drives the same deployment (`model.engine`) from its own thread through AsyncEngine. `morph` and
+`reshape` change the running deployment; `memory_report` reads every worker's ledger."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Iterable, Iterator
+
+from elastic_hf.config import EngineConfig, MorphConfig
+from elastic_hf.engine.outputs import RequestOutput
+from elastic_hf.engine.sampling_params import SamplingParams
+from elastic_hf.parallel.deployment import Deployment
+from elastic_hf.parallel.reshape import ReshapeReport
+from elastic_hf.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+_MEMORY_TOTALS = ("budget_bytes", "weights_bytes", "kv_bytes", "free_bytes", "kv_blocks")
+
+
+class MorphControls:
+    """Precision morphing of a running model (`ElasticModel.morph`). Each TP-1 instance's worker morphs its own
+    layers and grows its own KV cache; `instance` picks which (0 for a single-worker model)."""
+
+    def __init__(self, deployment: Deployment):
+        self._deployment = deployment
+
+    @property
+    def managers(self) -> dict:
+        """worker id -> its MorphManager."""
+        return self._deployment.morph_managers
+
+    def manager(self, instance: int = 0):
+        instances = self._deployment.instances
+        if isinstance(instance, bool) or not isinstance(instance, int) or not 0 <= instance < len(instances):
+            raise ValueError(f"instance must be in [0, {len(instances)}) for topology {self._deployment.topology}, "
+                             f"got {instance!r}")
+        inst = instances[instance]
+        if inst.tp != 1:
+            raise ValueError(f"instance {instance} runs at TP{inst.tp} on workers {list(inst.workers)}: precision "
+                             "morphing runs on TP-1 instances; reshape it back first")
+        return self.managers[inst.workers[0]]
+
+    def to_precision(self, layers: int | Iterable[int] | str, precision: str, *, instance: int = 0,
+                     wait: bool = True, timeout: float = 120.0, controller: bool | None = None) -> dict:
+        """Force `layers` ("all", an index or a list) of one instance to `precision` ("fp", "w8", "w4"); see
+        MorphManager.to_precision. Returns that instance's state()."""
+        return self.manager(instance).to_precision(layers, precision, wait=wait, timeout=timeout,
+                                                   controller=controller)
+
+    def state(self, instance: int = 0) -> dict:
+        return {"instance": instance, **self.manager(instance).state()}
+
+    def states(self) -> list[dict]:
+        """state() of every TP-1 instance."""
+        return [self.state(i) for i, inst in enumerate(self._deployment.instances) if inst.tp == 1]
+
+    def set_controller(self, enabled: bool, instance: int | None = None) -> None:
+        """Turn the automatic controller on or off, for one instance or (None) all of them."""
+        managers = self.managers.values() if instance is None else [self.manager(instance)]
+        for manager in managers:
+            manager.set_controller(enabled)
+
+    def attach_driver(self, wake) -> None:
+        """Another thread drives the engine from now on (the server's AsyncEngine)."""
+        for manager in self.managers.values():
+            manager.attach_driver(wake)
+
+
+class ElasticModel:
+    def __init__(self, deployment: Deployment):
+        self.deployment = deployment
+        self.morph = MorphControls(deployment) if deployment.config.morph.enabled else None
+        self._request_ids = itertools.count()
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike | None = None, *, workers: int = 1,
+                        tp: int | None = None, morph: str = "off", profile: str | None = None,
+                        morph_options: dict | None = None, **options) -> "ElasticModel":
+        """Load a local HF checkpoint dir, a .gguf file, or (None) the embedded SmolLM2-135M-Instruct, on `workers`
+        workers (1: in this process; more: worker processes) as instances of TP degree `tp` (default 1; or give
+        `topology=(2, 1, 1)`).
+
+        options: the fields of EngineConfig (elastic_hf/config.py): dtype, device, memory_budget (per worker:
+        bytes, "2GiB" or a fraction of the device), kv_cache_memory, block_size, max_num_seqs,
+        max_num_batched_tokens, max_model_len, page_size, tp_policy, router, ... morph: "off", "manual" (only
+        model.morph.to_precision), or a controller mode "accuracy" | "default" | "performance"; profile: LIS
+        profile JSON for the swap order; morph_options: the other MorphConfig fields (precisions, use_cache,
+        calib_path, controller={ControllerConfig overrides}, ...)."""
+        if tp is not None:
+            if "topology" in options:
+                raise ValueError("give either tp or topology, not both")
+            if tp < 1 or workers % tp:
+                raise ValueError(f"tp must divide workers: tp={tp} does not divide workers={workers}")
+            options["topology"] = (tp,) * (workers // tp)
+        model = None if name_or_path is None else str(name_or_path)
+        config = EngineConfig(model=model, num_workers=workers,
+                              morph=MorphConfig(mode=morph, profile=profile, **(morph_options or {})), **options)
+        return cls.from_config(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "ElasticModel":
+        from transformers import AutoConfig, AutoTokenizer
+
+        from elastic_hf.model.loader import resolve_model
+
+        resolved = resolve_model(config.model)
+        tokenizer = AutoTokenizer.from_pretrained(resolved.checkpoint_dir)
+        hf_config = AutoConfig.from_pretrained(resolved.checkpoint_dir)
+        deployment = Deployment(config, checkpoint_dir=resolved.checkpoint_dir, model_id=resolved.model_id,
+                                tokenizer=tokenizer, hf_config=hf_config)
+        model = cls(deployment)
+        report = model.memory_report()
+        log.info("loaded %s on %d worker(s), topology %s: weights %s, KV %d blocks (%s), max_model_len %d",
+                 resolved.model_id, config.num_workers, deployment.topology, format_bytes(report["weights_bytes"]),
+                 report["kv_blocks"], format_bytes(report["kv_bytes"]), deployment.max_model_len)
+        return model
+
+    # ------------------------------------------------------------------ what it is
+    @property
+    def engine(self) -> Deployment:
+        """What AsyncEngine drives (engine/protocol.EngineCore)."""
+        return self.deployment
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.deployment.config
+
+    @property
+    def model_id(self) -> str:
+        return self.deployment.model_id
+
+    @property
+    def tokenizer(self):
+        return self.deployment.tokenizer
+
+    @property
+    def checkpoint_dir(self):
+        return self.deployment.checkpoint_dir
+
+    @property
+    def max_model_len(self) -> int:
+        return self.deployment.max_model_len
+
+    @property
+    def instances(self) -> list:
+        """The serving instances (workers, LLMEngine) of the current topology."""
+        return self.deployment.instances
+
+    @property
+    def worker(self):
+        """The in-process Worker of a single-worker model (its model, arenas and KV pool); None with worker
+        processes."""
+        return getattr(self.deployment.pool, "worker", None)
+
+    # ------------------------------------------------------------------ generation
+    def _params(self, sampling_params: SamplingParams | None, sampling: dict) -> SamplingParams:
+        if sampling_params is not None:
+            if sampling:
+                raise ValueError(f"pass either sampling_params or keyword options, not both: {sorted(sampling)}")
+            return sampling_params
+        # Offline calls default to greedy like HF generate; the server uses OpenAI's defaults.
+        return SamplingParams(**{"temperature": 0.0, **sampling})
+
+    def _submit(self, prompt: str | list[int], params: SamplingParams) -> str:
+        return self.deployment.add_request(f"offline-{next(self._request_ids)}", prompt, params)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        try:
+            while len(results) < len(request_ids):
+                for out in self.deployment.step():
+                    if out.finished:
+                        results[out.request_id] = out
+        except BaseException:
+            for request_id in request_ids:
+                self.deployment.abort_request(request_id)
+            raise
+        return [results[r] for r in request_ids]
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 sampling_params: SamplingParams | None = None, **sampling) -> RequestOutput | list[RequestOutput]:
+        """Complete one prompt (-> RequestOutput) or a list (-> list). Prompts are text or token ids.
+        Sampling keywords: see SamplingParams (default here: greedy)."""
+        params = self._params(sampling_params, sampling)
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        request_ids: list[str] = []
+        try:
+            for prompt in batch:
+                request_ids.append(self._submit(prompt, params))
+        except ValueError:
+            for request_id in request_ids:
+                self.deployment.abort_request(request_id)
+            raise
+        outputs = self._run(request_ids)
+        return outputs[0] if single else outputs
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers may hand back a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             **sampling) -> RequestOutput | list[RequestOutput]:
+        """One conversation (list of {"role", "content"}) or a list of them, through the model's chat template."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        outputs = self.generate(prompts, sampling_params, **sampling) if len(prompts) > 1 else \
+            [self.generate(prompts[0], sampling_params, **sampling)]
+        return outputs[0] if single else outputs
+
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+               **sampling) -> Iterator[RequestOutput]:
+        """Yields a RequestOutput whenever new text is ready (see delta_text); the last one has finished=True."""
+        params = self._params(sampling_params, sampling)
+        request_id = self._submit(prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.deployment.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.deployment.abort_request(request_id)
+
+    # ------------------------------------------------------------------ reshaping and memory
+    def reshape(self, topology, weights_source: str | None = None) -> ReshapeReport:
+        """Change the tensor-parallel layout in place, e.g. [1, 1] -> [2] -> [1, 1] (a transaction: a failure before
+        its commit point leaves the old layout serving). Between generate calls; the server runs it on its engine
+        thread (POST /admin/reshape)."""
+        return self.deployment.reshape(topology, weights_source)
+
+    def memory_report(self) -> dict:
+        """Committed bytes summed over the workers (budget, weights, KV, free; KV blocks), plus each worker's own
+        ledger under "workers" (with one worker, its fields are also at the top level)."""
+        workers = self.deployment.memory_report()
+        totals = {key: sum(w[key] for w in workers) for key in _MEMORY_TOTALS}
+        instances = self.deployment.instances
+        single = workers[0] if len(workers) == 1 else {}  # one worker: its ledger and block size at the top
+        return {**single, **totals, "kv_blocks_total": sum(i.engine.scheduler.allocator.num_total for i in instances),
+                "kv_blocks_used": sum(i.engine.scheduler.allocator.num_used for i in instances),
+                "kv_block_size": self.config.block_size, "topology": str(self.deployment.topology),
+                "workers": workers}
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Stop the worker processes (a single in-process worker just drops its arenas with the object)."""
+        self.deployment.close()
+
+    def __enter__(self) -> "ElasticModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

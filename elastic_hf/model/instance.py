@@ -1,0 +1,156 @@
+"""The one assembly of a worker's model instance: the HF model (its own modeling code, with the paged attention
+registered), its weights placed in an arena, the memory budget, the KV pool and the runner.
+
+A worker builds it in three moves (parallel/worker.py): `load_model`, then anything that must see the plain model
+before its weights move (precision morphing builds its layer variants there), then `build_instance` with the weight
+layout of its kind: model/weight_placement.PlacedWeights for a single worker, parallel/shard_transform.ShardedWeights
+for a worker that can change its tensor-parallel degree."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from elastic_hf.config import EngineConfig
+from elastic_hf.kv.layout import KVLayout
+from elastic_hf.kv.migration_plan import head_range
+from elastic_hf.kv.page_pool import KVPagePool
+from elastic_hf.kv.paged_attention import register_paged_attention
+from elastic_hf.layers.cpu_gemm import use_onednn_linears
+from elastic_hf.memory import MemoryBudget, create_arena, default_page_size, device_total_bytes
+from elastic_hf.model.loader import parse_dtype
+from elastic_hf.model.runner import ModelRunner
+from elastic_hf.patches import ArchAdapter, get_adapter
+from elastic_hf.units import format_bytes, parse_memory_budget
+
+log = logging.getLogger(__name__)
+
+_UNSIZED_BUDGET = 1 << 62   # while weights are placed; sized right after, once their bytes are known
+
+
+@dataclass(slots=True, eq=False)
+class LoadedModel:
+    hf_model: nn.Module
+    adapter: ArchAdapter
+    layers: nn.ModuleList
+    dtype: torch.dtype
+    device: torch.device
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def hf_config(self):
+        return self.hf_model.config
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def worker_device(config: EngineConfig, worker_id: int) -> torch.device:
+    """cpu, or cuda:i for worker i (wrapping around the visible GPUs)."""
+    device = torch.device(config.device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", worker_id % max(torch.cuda.device_count(), 1))
+    return device
+
+
+def load_model(checkpoint_dir: str | Path, dtype: torch.dtype | str, device: torch.device) -> LoadedModel:
+    """The HF model of a checkpoint in eval mode, on `device`, running our paged attention."""
+    from transformers import AutoModelForCausalLM
+
+    attn = register_paged_attention()
+    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=parse_dtype(dtype),
+                                                    attn_implementation=attn).eval().requires_grad_(False)
+    hf_model.to(device)
+    adapter = get_adapter(hf_model.config)
+    num_heads, num_kv_heads, head_dim = adapter.head_counts(hf_model.config)
+    return LoadedModel(hf_model, adapter, adapter.decoder_layers(hf_model), parse_dtype(dtype), device, num_heads,
+                       num_kv_heads, head_dim)
+
+
+@dataclass(slots=True, eq=False)
+class ModelInstance:
+    """One worker's data plane. weights: PlacedWeights or ShardedWeights (committed_bytes, shard_bytes(tp, rank),
+    fp_region(layer), slot(layer, precision), arena)."""
+    loaded: LoadedModel
+    weights: object
+    budget: MemoryBudget
+    page_size: int
+    block_size: int
+    headroom_bytes: int        # kept uncommitted so a precision swap can always start (0 without morphing)
+    runner: ModelRunner
+    pool: KVPagePool | None = None
+
+    @property
+    def hf_model(self) -> nn.Module:
+        return self.loaded.hf_model
+
+    def kv_layout(self, tp: int, rank: int) -> KVLayout:
+        """KV blocks of shard (tp, rank): the shard's KV-head range of every layer."""
+        lo, hi = head_range(self.loaded.num_kv_heads, tp, rank)
+        return KVLayout(self.loaded.num_layers, hi - lo, self.loaded.head_dim, self.block_size, self.loaded.dtype,
+                        self.page_size)
+
+    def kv_capacity(self, tp: int, rank: int) -> int:
+        """KV blocks this worker can hold as shard (tp, rank) once its weights are that shard."""
+        free = self.budget.total_bytes - self.weights.shard_bytes(tp, rank) - self.headroom_bytes
+        return max(free, 0) // self.kv_layout(tp, rank).block_bytes
+
+    def new_pool(self, tp: int, rank: int, num_blocks: int) -> KVPagePool:
+        """A KV pool for shard (tp, rank) with `num_blocks` blocks attached; its arena reserves room for the whole
+        budget, since morphs may hand the KV cache every byte the weights give up."""
+        layout = self.kv_layout(tp, rank)
+        max_blocks = self.budget.total_bytes // layout.block_bytes
+        if num_blocks > max_blocks:
+            raise ValueError(f"{num_blocks} KV blocks exceed the {max_blocks} that fit the worker's budget of "
+                             f"{format_bytes(self.budget.total_bytes)}")
+        arena = create_arena(self.loaded.device, max_blocks * layout.block_bytes, self.budget, "kv", self.page_size)
+        try:
+            return KVPagePool(layout, arena, max_blocks, num_blocks)
+        except BaseException:
+            arena.close()
+            raise
+
+    def set_pool(self, pool: KVPagePool | None) -> None:
+        self.pool = pool
+        self.runner.pool = pool
+
+
+WeightsFactory = Callable[[MemoryBudget, int], object]   # (budget, page_size) -> placed weights
+
+
+def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: WeightsFactory, *,
+                   headroom_bytes: int = 0) -> ModelInstance:
+    """Place the weights, size the worker's budget and make the runner. The KV pool comes later (`new_pool`):
+    how many blocks a worker holds depends on its role in the deployment's topology.
+
+    The budget is `memory_budget` when given, else the worker's TP1 weights + `kv_cache_memory` + the headroom."""
+    device = loaded.device
+    page_size = config.page_size or default_page_size(device)
+    budget = MemoryBudget(_UNSIZED_BUDGET)
+    weights = place_weights(budget, page_size)
+    loaded.hf_model.to(device)  # buffers (rotary tables) follow the arena-resident parameters
+    tp1_bytes = weights.shard_bytes(1, 0)
+    if config.memory_budget is None:
+        total = tp1_bytes + config.kv_bytes_per_worker + headroom_bytes
+    else:
+        total = parse_memory_budget(config.memory_budget, device_total_bytes(device))
+    # After any calibration (profiles and AWQ scales must not depend on the GEMM backend): oneDNN fp32 linears.
+    use_onednn_linears(loaded.hf_model)
+    runner = ModelRunner(loaded.hf_model, None, getattr(loaded.hf_config, "sliding_window", None))
+    instance = ModelInstance(loaded, weights, budget, page_size, config.block_size, headroom_bytes, runner)
+    block_bytes = instance.kv_layout(1, 0).block_bytes
+    kv_bytes = total - tp1_bytes - headroom_bytes
+    if kv_bytes < block_bytes:  # a TP1 instance of this worker must hold at least one KV block
+        raise ValueError(f"memory_budget={format_bytes(total)} leaves {format_bytes(max(kv_bytes, 0))} for the KV "
+                         f"cache after {format_bytes(tp1_bytes)} of weights"
+                         + (f" and {format_bytes(headroom_bytes)} of morph headroom" if headroom_bytes else "")
+                         + f"; one KV block needs {format_bytes(block_bytes)}")
+    budget.total_bytes = total
+    return instance

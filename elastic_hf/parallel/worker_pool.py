@@ -1,0 +1,230 @@
+"""How the control plane reaches its workers: one RPC entry point, `call(worker, method, *args)`, over either the
+one worker of a single-worker model (in this process, a direct call) or worker processes (spawned, a pipe each,
+death detection and replacement). `method` may name a sub-object of the Worker ("morph.sync"); private names are
+refused. Only small control data travels through the pipes; tensors between workers use torch.distributed."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from elastic_hf.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    def __init__(self, worker: int, method: str, message: str, remote_traceback: str | None = None):
+        super().__init__(f"worker {worker} failed in {method}: {message}")
+        self.worker = worker
+        self.method = method
+        self.remote_traceback = remote_traceback
+
+
+def resolve_method(worker, method: str):
+    """The bound method a dotted RPC name points at on `worker`; AttributeError for private or unknown names."""
+    target = worker
+    for part in method.split("."):
+        if not part or part.startswith("_"):
+            raise AttributeError(f"worker has no RPC method {method!r}")
+        target = getattr(target, part, None)
+        if target is None:
+            raise AttributeError(f"worker has no RPC method {method!r}")
+    if not callable(target):
+        raise AttributeError(f"worker has no RPC method {method!r}")
+    return target
+
+
+class InProcessWorkerPool:
+    """The single worker of a one-worker model, driven by direct calls (exceptions keep their type)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.num_workers = 1
+        self.executor = None   # one instance: steps run in the caller's thread
+
+    def call(self, worker: int, method: str, *args):
+        if worker != 0:
+            raise ValueError(f"worker must be 0 in a single-worker model, got {worker}")
+        return resolve_method(self.worker, method)(*args)
+
+    def call_many(self, workers, method: str, *args) -> list:
+        return [self.call(w, method, *args) for w in workers]
+
+    def dead_workers(self) -> list[int]:
+        return []
+
+    def replace(self, dead: list[int], topology: tuple[int, ...]) -> None:
+        raise RuntimeError("an in-process worker cannot die without its process")
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _encode(result):
+    # Logits cross the pipe as numpy: pickling a torch tensor through a spawn-context pipe would move it to shared
+    # memory first, a much slower path for a per-step result.
+    return ("tensor", result.cpu().numpy()) if isinstance(result, torch.Tensor) else ("value", result)
+
+
+def _decode(payload):
+    kind, value = payload
+    return torch.from_numpy(value) if kind == "tensor" else value
+
+
+def worker_main(conn, config: EngineConfig, checkpoint_dir: str, worker_id: int, model_id: str, store,
+                master_port: int) -> None:
+    """Process entry: build the Worker, then serve `call(method, *args)` requests until 'shutdown' or EOF."""
+    logging.basicConfig(level=os.environ.get("ELASTIC_HF_WORKER_LOG", "WARNING"))
+    threads = config.threads_per_worker or max(1, (os.cpu_count() or 1) // config.num_workers)
+    torch.set_num_threads(threads)
+    # No tqdm bars in workers: they print per process, and tqdm's multiprocessing lock would outlive os._exit.
+    from transformers.utils import logging as hf_logging
+
+    from elastic_hf.parallel.worker import Worker
+
+    hf_logging.disable_progress_bar()
+    try:
+        worker = Worker(config, checkpoint_dir, worker_id=worker_id, model_id=model_id, store=store,
+                        master_port=master_port)
+    except BaseException as exc:  # report the start failure instead of leaving the driver waiting
+        conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return
+    conn.send(("ok", ("value", worker.ping()), None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            break
+        try:
+            result = resolve_method(worker, method)(*args)
+            conn.send(("ok", _encode(result), None))
+        except BaseException as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        if method == "shutdown":
+            conn.close()
+            os._exit(0)  # skip interpreter teardown (seconds with torch loaded); the arenas die with the process
+
+
+class ProcessWorkerPool:
+    """One process per worker (spawn), a pipe to each. `call_many` sends to every worker first and then collects,
+    so the ranks of one instance run a step concurrently."""
+
+    def __init__(self, config: EngineConfig, checkpoint_dir: str, model_id: str, store):
+        self.config = config
+        self.checkpoint_dir = checkpoint_dir
+        self.model_id = model_id
+        self.store = store
+        self.num_workers = config.num_workers
+        self._procs, self._conns = [], []
+        self.executor: ThreadPoolExecutor | None = None
+        port = _free_port()
+        try:
+            for worker_id in range(self.num_workers):
+                proc, conn = self._spawn(worker_id, port)
+                self._procs.append(proc)
+                self._conns.append(conn)
+            for worker_id in range(self.num_workers):
+                self._receive(worker_id, "start", timeout=config.start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        # Instances step concurrently: one thread each, every one waiting on its workers' pipes.
+        self.executor = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="elastic-hf-instance")
+
+    def _spawn(self, worker_id: int, port: int, config: EngineConfig | None = None):
+        ctx = torch.multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=worker_main, daemon=True, name=f"elastic-hf-worker-{worker_id}",
+                           args=(child, config or self.config, self.checkpoint_dir, worker_id, self.model_id,
+                                 self.store, port))
+        proc.start()
+        child.close()
+        return proc, parent
+
+    def _receive(self, worker: int, method: str, timeout: float | None = None):
+        conn = self._conns[worker]
+        if timeout is not None and not conn.poll(timeout):
+            raise WorkerError(worker, method, f"no answer within {timeout:.0f} s")
+        try:
+            status, result, remote_tb = conn.recv()
+        except (EOFError, ConnectionResetError) as exc:
+            self._procs[worker].join(timeout=10)  # the pipe closes before the process is reaped
+            code = self._procs[worker].exitcode
+            raise WorkerError(worker, method, f"worker process died (exit code {code})") from exc
+        if status != "ok":
+            raise WorkerError(worker, method, result, remote_tb)
+        return _decode(result)
+
+    def call(self, worker: int, method: str, *args):
+        return self.call_many((worker,), method, *args)[0]
+
+    def call_many(self, workers, method: str, *args) -> list:
+        sent, errors = [], []
+        for w in workers:
+            try:
+                self._conns[w].send((method, args))
+                sent.append(w)
+            except (BrokenPipeError, OSError) as exc:
+                errors.append(WorkerError(w, method, f"worker process is gone ({exc})"))
+        results = {}
+        for w in sent:
+            try:
+                results[w] = self._receive(w, method)
+            except WorkerError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return [results[w] for w in workers]
+
+    def dead_workers(self) -> list[int]:
+        return [w for w, proc in enumerate(self._procs) if not proc.is_alive()]
+
+    def replace(self, dead: list[int], topology: tuple[int, ...]) -> None:
+        """Replace dead worker processes: the survivors leave the broken torch.distributed world and form a new one
+        with the replacements, which load their shard of the current `topology` from the shared host store."""
+        config = dataclasses.replace(self.config, topology=topology)
+        port = _free_port()
+        survivors = [w for w in range(self.num_workers) if w not in dead]
+        for w in survivors:
+            self._conns[w].send(("rejoin", (port,)))
+        for w in dead:
+            self._conns[w].close()
+            self._procs[w], self._conns[w] = self._spawn(w, port, config)
+        for w in dead:
+            self._receive(w, "start", timeout=self.config.start_timeout_s)
+        for w in survivors:
+            self._receive(w, "rejoin")
+
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
+    def close(self) -> None:
+        for w, conn in enumerate(self._conns):
+            try:
+                if self._procs[w].is_alive():
+                    conn.send(("shutdown", ()))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        if self.executor is not None:
+            self.executor.shutdown(wait=False)
+            self.executor = None

@@ -1,0 +1,182 @@
+"""A worker's part of a reshape transaction (Gyges §4, ReMP §3.9): three phases before the commit point, then commit
+or abort. The control plane runs each phase on every worker and starts the next only when all succeeded, so no
+worker waits in a transfer on a peer that already failed. Reached as "reshape.<phase>" through the worker's RPC."""
+from __future__ import annotations
+
+import os
+
+from elastic_hf.kv.migration_plan import head_range
+from elastic_hf.kv.page_pool import KVPagePool
+from elastic_hf.parallel.kv_migration import migrate_kv
+from elastic_hf.parallel.reshape_plan import ReshapePlan
+from elastic_hf.parallel.shard_transform import ATTENTION_KINDS, MLP_KINDS, gather_weights, weight_gather_plan
+
+RESHAPE_STAGES = ("weights_first", "kv_trim", "kv_migrate", "weights_last", "prepared")  # before the commit point
+FAULT_STAGES = RESHAPE_STAGES + ("committed",)
+RESHAPE_PHASES = ("reshape.prepare", "reshape.migrate_kv", "reshape.finish_weights")
+
+
+class ReshapeParticipant:
+    def __init__(self, worker):
+        self.worker = worker
+        self._txn: dict | None = None
+        self._fault: tuple[str, bool] | None = None
+
+    @property
+    def _me(self) -> int:
+        return self.worker.me
+
+    def _check_fault(self, stage: str) -> None:
+        if self._fault is None or self._fault[0] != stage:
+            return
+        _, kill = self._fault
+        self._fault = None
+        if kill:
+            os._exit(17)  # a real process death, as a crash or an OOM kill would leave it
+        raise RuntimeError(f"fault injected at reshape stage {stage!r} on worker {self._me}")
+
+    def arm_fault(self, stage: str | None, kill: bool = False) -> None:
+        """Make the next reshape fail at `stage` (one of FAULT_STAGES): raise, or with kill=True end the process.
+        For transaction tests and failure drills."""
+        if stage is not None and stage not in FAULT_STAGES:
+            raise ValueError(f"stage must be one of {FAULT_STAGES}, got {stage!r}")
+        self._fault = None if stage is None else (stage, kill)
+
+    def _require_txn(self) -> dict:
+        if self._txn is None:
+            raise RuntimeError(f"worker {self._me} has no prepared reshape to commit")
+        return self._txn
+
+    # ------------------------------------------------------------------ phases before the commit point
+    def prepare(self, plan: ReshapePlan) -> dict:
+        """Phase 1: scale-up releases the MLP shards it no longer owns (MLP first, so the freed pages can take the
+        migrated KV, Gyges §4.3); the old pool decommits its unused blocks. A worker may be in standby before
+        (wake-up) or after (it hands its KV over and gives its shard back at the commit point)."""
+        worker = self.worker
+        if self._txn is not None:
+            raise RuntimeError(f"worker {self._me} already has a reshape in flight")
+        if worker.morph is not None and not worker.morph.all_full_precision():
+            raise RuntimeError(f"worker {self._me} has layers below full precision; a reshape needs them at fp")
+        old_role, new_role = plan.old.role(self._me), plan.new.role(self._me)
+        old = worker.groups.for_topology(plan.old, self._me)
+        new = worker.groups.for_topology(plan.new, self._me)
+        kept = plan.is_kept(self._me) or (old_role is None and new_role is None)
+        budget = worker.budget
+        txn = {"plan": plan, "old": old, "new": new, "trimmed": [], "new_pool": None, "kept": kept,
+               "stats": {"weights_bytes_before": budget.used_bytes("weights"),
+                         "kv_bytes_before": budget.used_bytes("kv"), "kept": kept}}
+        self._txn = txn
+        if kept:  # same instance before and after: shard, pool and groups stay; it may receive moved KV
+            return txn["stats"]
+        if old is not None and new is not None and new[1] > old[1]:
+            txn["stats"]["weights_first"] = worker.weights.switch(MLP_KINDS, new[1], new[2], new[0])
+        self._check_fault("weights_first")
+        pool = worker.pool
+        if pool is not None:
+            # The old pool keeps its live blocks until the commit point (rollback needs them); the rest go back.
+            live = set(plan.live_old_blocks[old_role[0]])
+            block_bytes = pool.layout.block_bytes
+            for block_id in range(pool.max_blocks):
+                offset = block_id * block_bytes
+                if block_id not in live and pool.arena.is_committed(offset, block_bytes):
+                    pool.arena.decommit(offset, block_bytes)
+                    txn["trimmed"].append(block_id)
+        self._check_fault("kv_trim")
+        return txn["stats"]
+
+    def migrate_kv(self) -> dict:
+        """Phase 2: a new pool for the new head range holds the live blocks (a kept instance receives into its own
+        pool); KV moves by (block, head range), layer by layer."""
+        worker = self.worker
+        txn = self._require_txn()
+        plan: ReshapePlan = txn["plan"]
+        old, new = txn["old"], txn["new"]
+        num_kv_heads = worker.loaded.num_kv_heads
+        if txn["kept"]:
+            if new is None:
+                return {}
+            h0 = head_range(num_kv_heads, new[1], new[2])[0]
+            kv = migrate_kv(plan.transfers, self._me, worker.pool, h0, worker.pool, h0)
+            txn["stats"]["kv"] = {**kv, "new_pool_live_bytes": 0, "peak_extra_bytes": kv["peak_staging_bytes"]}
+            return kv
+        kv_before = worker.budget.used_bytes("kv")
+        new_pool = None
+        if new is not None:
+            new_pool = worker.instance.new_pool(new[1], new[2], plan.num_live_new_blocks[plan.new.role(self._me)[0]])
+            txn["new_pool"] = new_pool
+        old_h0 = head_range(num_kv_heads, old[1], old[2])[0] if old is not None else 0
+        new_h0 = head_range(num_kv_heads, new[1], new[2])[0] if new is not None else 0
+        kv = migrate_kv(plan.transfers, self._me, worker.pool, old_h0, new_pool, new_h0)
+        kv["new_pool_live_bytes"] = worker.budget.used_bytes("kv") - kv_before
+        kv["peak_extra_bytes"] = kv["new_pool_live_bytes"] + kv["peak_staging_bytes"]
+        txn["stats"]["kv"] = kv
+        self._check_fault("kv_migrate")
+        return kv
+
+    def finish_weights(self) -> dict:
+        """Phase 3: attention (and, scaling down, the MLP after the KV) switch to the new shard; scale-down and
+        wake-up load the chunks they now need from the shared host store or from peers. A worker going to
+        standby keeps its shard until the commit point (rollback is then free)."""
+        worker = self.worker
+        txn = self._require_txn()
+        new = txn["new"]
+        stats = txn["stats"]
+        plan: ReshapePlan = txn["plan"]
+        if plan.weights_source == "peers":
+            layouts = {kind: lin.layout for kind, lin in worker.weights.linears[0].items()}
+            gather = weight_gather_plan(plan.old, plan.new, layouts, plan.kept_workers())
+            stats["gather"] = gather_weights(worker.weights, gather, self._me)
+        if txn["kept"]:
+            return stats
+        if new is not None:
+            stats["weights_last"] = worker.weights.switch(ATTENTION_KINDS + MLP_KINDS, new[1], new[2], new[0])
+        self._check_fault("weights_last")
+        stats["weights_bytes_after"] = worker.budget.used_bytes("weights")
+        self._check_fault("prepared")
+        return stats
+
+    # ------------------------------------------------------------------ commit point and rollback
+    def commit(self) -> dict:
+        """The commit point: drop the old KV pool, grow the new one to its capacity, serve the new topology (or
+        go to standby: no pool, no shard, the process and its groups stay for a fast wake-up)."""
+        worker = self.worker
+        txn = self._require_txn()
+        plan: ReshapePlan = txn["plan"]
+        if not txn["kept"]:
+            if worker.pool is not None:
+                worker.pool.arena.close()
+            new_pool: KVPagePool | None = txn["new_pool"]
+            worker.instance.set_pool(new_pool)
+            new_role = plan.new.role(self._me)
+            if new_role is None:
+                worker.weights.release_all()
+            elif plan.new_num_blocks[new_role[0]] > new_pool.num_blocks:
+                new_pool.attach_blocks(plan.new_num_blocks[new_role[0]] - new_pool.num_blocks)
+        worker.topology = plan.new
+        self._txn = None
+        self._check_fault("committed")
+        return worker.memory_report()
+
+    def abort(self) -> dict:
+        """Roll back to the old topology: old weights shard (refilled from the host store), old KV pool."""
+        worker = self.worker
+        txn = self._txn
+        if txn is None:
+            return worker.memory_report()
+        self._txn = None
+        if txn["kept"]:  # moved KV landed in blocks that stay free in the old plan
+            return worker.memory_report()
+        # Order matters for the budget: every step moves toward the old state, which fitted.
+        if txn["new_pool"] is not None:
+            txn["new_pool"].arena.close()
+        if txn["old"] is None:
+            worker.weights.release_all()  # back to standby
+        else:
+            old_group, old_tp, old_rank = txn["old"]
+            worker.weights.switch(ATTENTION_KINDS + MLP_KINDS, old_tp, old_rank, old_group)
+        pool = worker.pool
+        if pool is not None:
+            block_bytes = pool.layout.block_bytes
+            for block_id in txn["trimmed"]:  # they were free: zero pages are fine
+                pool.arena.commit(block_id * block_bytes, block_bytes)
+        return worker.memory_report()

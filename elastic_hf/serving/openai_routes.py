@@ -1,0 +1,147 @@
+"""The OpenAI-compatible routes (/v1/models, /v1/completions, /v1/chat/completions) over one AsyncEngine, and
+the request checks only HTTP needs: body parsing, the served model's name, choice and max_tokens limits, chat
+templates. Value ranges of sampling options are checked by `SamplingParams` and the engine, so the HTTP and the
+Python API give the same messages."""
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+
+from elastic_hf.engine.async_engine import AsyncEngine, RequestStream
+from elastic_hf.engine.errors import EngineError
+from elastic_hf.engine.sampling_params import SamplingParams
+from elastic_hf.serving import protocol as p
+from elastic_hf.serving.errors import APIError, api_error_from_engine, validation_error
+from elastic_hf.serving.streaming import EngineStreamingResponse, chat_chunks, collect, completion_chunks
+
+MAX_CHOICES = 128  # n x prompts per HTTP request: one request must not flood the scheduler
+
+
+async def parse(request: Request, model: type[p.SamplingRequest], model_id: str) -> p.SamplingRequest:
+    """The body as `model`, for the served model, without unsupported options; APIError otherwise."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json")
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc)
+    if req.model != model_id:
+        raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_id!r}",
+                       param="model", code="model_not_found")
+    unsupported = req.unsupported()
+    if unsupported:
+        raise APIError(400, f"not supported by this server: {', '.join(unsupported)}", param=unsupported[0],
+                       code="unsupported_parameter")
+    return req
+
+
+def check_max_tokens(max_tokens: int | None, max_model_len: int, name: str = "max_tokens") -> None:
+    """Refuse a max_tokens that no prompt could satisfy before tokenizing anything; `name` is the field the
+    client used (chat accepts max_completion_tokens too)."""
+    if max_tokens is None:
+        return
+    if max_tokens <= 0:
+        raise APIError(400, f"{name} must be >= 1, got {max_tokens}", param=name)
+    if max_tokens >= max_model_len:
+        raise APIError(400, f"{name}={max_tokens} is beyond the limit: prompt tokens + {name} must fit "
+                            f"max_model_len={max_model_len}", param=name)
+
+
+def sampling_params(req: p.SamplingRequest, max_tokens: int) -> SamplingParams:
+    try:
+        return req.sampling_params(max_tokens)
+    except ValueError as exc:
+        raise api_error_from_engine(exc) from exc
+
+
+def chat_prompt_ids(tokenizer, req: p.ChatCompletionRequest) -> list[int]:
+    """Token ids of the conversation through the model's chat template; ValueError for content it cannot take."""
+    ids = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt,
+                                        tokenize=True, return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some tokenizers return a BatchEncoding regardless
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def echo_text(tokenizer, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+
+
+def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_model_len: int) -> APIRouter:
+    """The /v1 routes serving `async_engine` under the name `model_id`. Errors are raised as APIError: the app
+    needs `errors.install_error_handlers` for them to become OpenAI-style bodies."""
+    router = APIRouter()
+
+    async def submit(prompts: list, params: SamplingParams, prefix: str) -> list[RequestStream]:
+        try:
+            return await async_engine.add_requests(prompts, params,
+                                                   [async_engine.new_request_id(prefix) for _ in prompts])
+        except (ValueError, EngineError) as exc:
+            raise api_error_from_engine(exc) from exc
+
+    @router.get("/v1/models")
+    async def models():
+        return p.ModelList(data=[p.ModelCard(id=model_id, max_model_len=max_model_len)]).model_dump()
+
+    @router.post("/v1/completions")
+    async def completions(request: Request):
+        req: p.CompletionRequest = await parse(request, p.CompletionRequest, model_id)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        check_max_tokens(max_tokens, max_model_len)
+        params = sampling_params(req, max_tokens)
+        prompts = req.prompts()
+        if len(prompts) * params.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={params.n} = {len(prompts) * params.n} choices; "
+                                f"at most {MAX_CHOICES} per request", param="n")
+        streams = await submit(prompts, params, "cmpl")
+        response_id = p.new_id("cmpl")
+        if req.stream:
+            return EngineStreamingResponse(completion_chunks(streams, req, response_id, model_id, params.n), streams)
+        finals = await collect(streams, request)
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, out in enumerate(finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            prefix = echo_text(tokenizer, prompts[i]) if req.echo else ""
+            for o in out.outputs:
+                completion_tokens += len(o.token_ids)
+                choices.append(p.CompletionChoice(index=i * params.n + o.index, text=prefix + o.text,
+                                                  finish_reason=o.finish_reason))
+        return p.CompletionResponse(id=response_id, model=model_id, choices=choices,
+                                    usage=p.UsageInfo.of(prompt_tokens, completion_tokens)).model_dump()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req: p.ChatCompletionRequest = await parse(request, p.ChatCompletionRequest, model_id)
+        requested = req.requested_max_tokens()
+        check_max_tokens(requested, max_model_len,
+                         "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        try:
+            prompt_ids = chat_prompt_ids(tokenizer, req)
+        except ValueError as exc:  # the conversation as a whole is at fault, whichever part of it
+            raise APIError(400, str(exc), param="messages")
+        if len(prompt_ids) >= max_model_len:
+            raise APIError(400, f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len}",
+                           param="messages", code="context_length_exceeded")
+        # OpenAI's default for chat is "as many as fit"
+        max_tokens = requested if requested is not None else max_model_len - len(prompt_ids)
+        params = sampling_params(req, max_tokens)
+        if params.n > MAX_CHOICES:
+            raise APIError(400, f"n={params.n} is beyond the limit of {MAX_CHOICES} choices per request", param="n")
+        streams = await submit([prompt_ids], params, "chatcmpl")
+        response_id = p.new_id("chatcmpl")
+        if req.stream:
+            return EngineStreamingResponse(chat_chunks(streams[0], req, response_id, model_id, params.n), streams)
+        (out,) = await collect(streams, request)
+        choices = [p.ChatChoice(index=o.index, message=p.ChatMessageOut(content=o.text), finish_reason=o.finish_reason)
+                   for o in out.outputs]
+        usage = p.UsageInfo.of(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
+        return p.ChatCompletionResponse(id=response_id, model=model_id, choices=choices, usage=usage).model_dump()
+
+    return router

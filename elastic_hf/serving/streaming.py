@@ -1,0 +1,171 @@
+"""From engine request streams to HTTP bodies: Server-Sent Events for `stream: true` (the completion and chat
+chunk generators, the response that aborts its engine requests however it ends) and the final outputs for
+non-streaming requests (aborted when the client goes away). Every path that stops reading a stream early
+aborts its request, so a client that leaves never keeps KV blocks busy."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from elastic_hf.engine.async_engine import RequestStream
+from elastic_hf.engine.errors import EngineError
+from elastic_hf.engine.outputs import RequestOutput
+from elastic_hf.serving import protocol as p
+from elastic_hf.serving.errors import APIError, api_error_from_engine, sse_error_event
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_data(obj) -> str:
+    payload = obj.model_dump_json(exclude_none=False) if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {payload}\n\n"
+
+
+async def collect(streams: list[RequestStream], request: Request) -> list[RequestOutput]:
+    """Final outputs of all streams; aborts them if the client disconnects before they finish (HTTP 499)."""
+    async def drain(stream: RequestStream) -> RequestOutput:
+        last = None
+        async for out in stream:
+            last = out
+        return last
+
+    work = asyncio.ensure_future(asyncio.gather(*(drain(s) for s in streams)))
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:  # client left: cancelling the drains aborts the requests in the engine
+            work.cancel()
+            for s in streams:
+                s.abort()
+            raise APIError(499, "client disconnected", code="client_closed_request")
+        try:
+            return work.result()
+        except (ValueError, EngineError) as exc:
+            raise api_error_from_engine(exc) from exc
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # After the body was read, the next ASGI message is http.disconnect, sent only when the client goes away.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams in arrival order; closing this generator aborts all unfinished ones."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done_marker = object()
+
+    async def pump(i: int, stream: RequestStream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done_marker))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done_marker:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                if isinstance(item, asyncio.CancelledError):
+                    continue
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()  # idempotent; frees blocks of any stream that did not finish
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """SSE response that aborts its engine requests however the response ends (done, disconnect, error):
+    abort is idempotent, and a finished request ignores it."""
+
+    def __init__(self, gen: AsyncIterator[str], streams: list[RequestStream]):
+        super().__init__(gen, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.abort()
+            try:
+                await self.body_iterator.aclose()
+            except (RuntimeError, asyncio.CancelledError):
+                pass
+
+
+async def completion_chunks(streams: list[RequestStream], req: p.CompletionRequest, response_id: str,
+                            model_id: str, n: int) -> AsyncIterator[str]:
+    """SSE events of /v1/completions: choice index = prompt index * n + the choice's index within its prompt."""
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens: dict[tuple[int, int], int] = {}
+    try:
+        async for i, out in _merge(streams):
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            choices = []
+            for o in out.outputs:
+                completion_tokens[(i, o.index)] = len(o.token_ids)
+                if o.delta_text or o.finish_reason is not None:
+                    choices.append(p.CompletionChoice(index=i * n + o.index, text=o.delta_text,
+                                                      finish_reason=o.finish_reason))
+            if choices:
+                yield sse_data(p.CompletionChunk(id=response_id, model=model_id, choices=choices))
+        if req.include_usage:
+            usage = p.UsageInfo.of(sum(prompt_tokens.values()), sum(completion_tokens.values()))
+            yield sse_data(p.CompletionChunk(id=response_id, model=model_id, choices=[], usage=usage))
+    except (EngineError, ValueError) as exc:
+        yield sse_error_event(exc)
+    yield SSE_DONE
+
+
+async def chat_chunks(stream: RequestStream, req: p.ChatCompletionRequest, response_id: str, model_id: str,
+                      n: int) -> AsyncIterator[str]:
+    """SSE events of /v1/chat/completions: a role-only chunk per choice first, as OpenAI sends."""
+    def chunk(choices, usage=None):
+        return sse_data(p.ChatCompletionChunk(id=response_id, model=model_id, choices=choices, usage=usage))
+
+    # OpenAI sends the role first, with empty content, once per choice
+    yield chunk([p.ChatChunkChoice(index=k, delta=p.DeltaMessage(role="assistant", content="")) for k in range(n)])
+    prompt_tokens, completion_tokens = 0, {}
+    try:
+        async for out in stream:
+            prompt_tokens = len(out.prompt_token_ids)
+            choices = []
+            for o in out.outputs:
+                completion_tokens[o.index] = len(o.token_ids)
+                if o.delta_text or o.finish_reason is not None:
+                    choices.append(p.ChatChunkChoice(index=o.index, delta=p.DeltaMessage(content=o.delta_text),
+                                                     finish_reason=o.finish_reason))
+            if choices:
+                yield chunk(choices)
+        if req.include_usage:
+            yield chunk([], p.UsageInfo.of(prompt_tokens, sum(completion_tokens.values())))
+    except (EngineError, ValueError) as exc:
+        yield sse_error_event(exc)
+    yield SSE_DONE
