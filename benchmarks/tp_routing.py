@@ -60,10 +60,10 @@ def replay(dep: Deployment, trace, max_new: int) -> dict:
     makespan = time.perf_counter() - start
     ttft = [first_token[r] - arrival[r] for r in arrival]
     e2e = [finish[r] - arrival[r] for r in arrival]
-    transforms = dep.reshapes[num_reshapes:]
+    reshapes = dep.reshapes[num_reshapes:]
     return {"throughput": tokens / makespan, "makespan": makespan, "ttft_mean": statistics.mean(ttft),
-            "e2e_p50": statistics.median(e2e), "num_reshapes": sum(r.committed for r in transforms),
-            "reshape_s": sum(r.seconds for r in transforms if r.committed)}
+            "e2e_p50": statistics.median(e2e), "num_reshapes": sum(r.committed for r in reshapes),
+            "reshape_s": sum(r.seconds for r in reshapes if r.committed)}
 
 
 def main() -> int:

@@ -1,8 +1,9 @@
 """elastic-hf: serve Hugging Face causal LMs and reshape a live deployment under load."""
+from elastic_hf.config import EngineConfig, MorphConfig
 from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
 from elastic_hf.engine.sampling_params import SamplingParams
 
-__all__ = ["ElasticModel", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["ElasticModel", "EngineConfig", "MorphConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

@@ -6,7 +6,7 @@ One KV block holds `block_size` tokens of every layer:
     per layer    = [block, kv_head, K/V, token, head_dim]
 
 Keeping a KV head's tokens contiguous inside a block means a head range of a block is one contiguous byte range
-per layer: a TP transform moves or frees whole head ranges without touching the others.
+per layer: a reshape moves or frees whole head ranges without touching the others.
 """
 from __future__ import annotations
 

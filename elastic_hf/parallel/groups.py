@@ -1,4 +1,4 @@
-"""The process groups of every candidate topology, built once at start (ReMP §3.6 "MPU state space"): a transform
+"""The process groups of every candidate topology, built once at start (ReMP §3.6 "MPU state space"): a reshape
 switches to a prebuilt snapshot instead of creating communicators on the critical path."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The shared host weight store (ReMP §3.4): the full weights of every sharded Linear, read from the checkpoint once
-at start into one shared-memory buffer that all workers map. A worker that changes TP degree, rolls back a transform
+at start into one shared-memory buffer that all workers map. A worker that changes TP degree, rolls back a reshape
 or replaces a dead peer refills its shard chunks from here instead of reading checkpoint files."""
 from __future__ import annotations
 

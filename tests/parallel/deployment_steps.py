@@ -1,4 +1,4 @@
-"""Driving a Deployment step by step in tests, so transforms can happen while requests are mid-decode."""
+"""Driving a Deployment step by step in tests, so reshapes can happen while requests are mid-decode."""
 
 
 def run_steps(dep, ids, done, num_steps=None):

@@ -86,7 +86,7 @@ def test_decoding_across_scale_up_and_down_is_exact_without_recompute(setup):
     assert [done[r] for r in ids] == expected
     stats = dep.stats()
     assert stats["num_preemptions"] == 0
-    # Exactly one prefill per prompt token: no request was recomputed across the two transforms.
+    # Exactly one prefill per prompt token: no request was recomputed across the two reshapes.
     assert stats["num_computed_prompt_tokens"] - prompt_tokens_before == sum(len(p) for p in prompts)
     text = dep.metrics.render().decode()
     assert 'elastic_hf_instances{tp="1"} 2.0' in text and "elastic_hf_reshape_seconds_count" in text

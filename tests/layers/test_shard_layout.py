@@ -1,11 +1,9 @@
-"""The padding plan: every shard of every allowed degree is a run of page-aligned chunks; uneven head splits; the
-overhead report; candidate topologies and their groups; the 2-D migration plan covers every head exactly once."""
+"""The padded shard layout: every shard of every allowed degree is a run of page-aligned chunks; uneven head
+splits; the padding overhead report."""
 import pytest
 
-from elastic_hf.topology import Topology, candidate_topologies, group_rank_sets, parse_topology
-from elastic_hf.kv.migration_plan import BlockMove, build_migration_plan
 from elastic_hf.layers.shard_layout import (ModelShardSpec, PaddedLayout, allowed_tp_degrees, padding_overhead,
-                                               split_units)
+                                            split_units)
 
 SMOLLM = dict(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64, itemsize=4)
 
@@ -56,29 +54,3 @@ def test_padding_overhead_report():
     assert cpu["overhead_bytes"] == 0  # SmolLM's head and neuron rows fill 4 KiB pages exactly
     assert 0 < gpu["overhead_fraction"] < 1.0  # 2 MiB VMM pages cost a lot on a 135M model (about 59 %)
     assert gpu["padded_bytes"] >= gpu["payload_bytes"]
-
-
-def test_candidate_topologies_and_groups():
-    assert [t.sizes for t in candidate_topologies(2, (1, 2))] == [(1, 1), (2,)]
-    four = {t.sizes for t in candidate_topologies(4, (1, 2, 4))}
-    assert {(1, 1, 1, 1), (2, 2), (4,), (2, 1, 1)} <= four
-    assert group_rank_sets(candidate_topologies(4, (1, 2, 4))) == [(0, 1), (1, 2), (2, 3), (0, 1, 2, 3)]
-    t = parse_topology("2,1,1")
-    assert t.instances() == [(0, 1), (2,), (3,)] and t.role(3) == (2, 1, 0) and str(t) == "[2,1,1]"
-    with pytest.raises(ValueError):
-        Topology(())
-
-
-@pytest.mark.parametrize("old,new,heads", [((1, 1), (2,), 3), ((2,), (1, 1), 3), ((4,), (2, 1, 1), 4),
-                                           ((1, 1, 1, 1), (4,), 4)])
-def test_migration_plan_covers_every_head_once(old, new, heads):
-    old_t, new_t = Topology(old), Topology(new)
-    moves = [BlockMove(0, 0, (5, 6), (0, 1))]
-    plan = build_migration_plan(moves, old_t, new_t, heads)
-    for block in (0, 1):
-        covered = sorted(h for t in plan if t.dst_block == block for h in range(t.head_start, t.head_end))
-        assert covered == list(range(heads))
-    for t in plan:  # each head range goes to the rank that owns it in the new instance
-        role = new_t.role(t.dst_worker)
-        lo, hi = split_units(heads, role[1])[role[2]]
-        assert lo <= t.head_start < t.head_end <= hi

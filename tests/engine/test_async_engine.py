@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from elastic_hf.engine.async_engine import AsyncEngine, EngineError
+from elastic_hf.engine.async_engine import AsyncEngine
+from elastic_hf.engine.errors import EngineError
 from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
 from elastic_hf.engine.sampling_params import SamplingParams

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from elastic_hf.layers.shard_layout import PaddedLayout, split_units
 from elastic_hf.layers.shardable_linear import ShardableLinear
 from elastic_hf.memory import MemoryBudget, create_arena
-from elastic_hf.layers.shard_layout import PaddedLayout, split_units
 
 
 @pytest.fixture(scope="module")
