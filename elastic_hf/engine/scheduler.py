@@ -117,6 +117,13 @@ class Scheduler:
         self.waiting.clear()
         self.waiting.extend(merged)
 
+    def replace_allocator(self, allocator: BlockAllocator) -> None:
+        """Start over on a new set of blocks (a worker holding them was replaced); no running sequence may hold
+        blocks of the old one."""
+        if self.running:
+            raise RuntimeError(f"{len(self.running)} running sequences still hold blocks; preempt them first")
+        self.allocator = allocator
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Release the sequence's blocks at once (finish, stop or cancel)."""
         if seq.status is SeqStatus.RUNNING:

@@ -360,7 +360,7 @@ class Deployment:
             inst.engine.preempt_running()
             capacity = self.capacity(inst.workers)
             if inst.engine.scheduler.allocator.num_total != capacity:  # morphs had grown it: start afresh at fp
-                inst.engine.scheduler.allocator = BlockAllocator(range(capacity))
+                inst.engine.scheduler.replace_allocator(BlockAllocator(range(capacity)))
             self.pool.call_many(lost, "init_kv", capacity)
             for w in lost:
                 if w in self.morph_managers:

@@ -62,21 +62,21 @@ class Worker:
             if store is None or master_port is None:
                 raise ValueError("a deployment worker needs the shared weight store and the rendezvous port")
             self._join_world(master_port)
-        store_for_morph = None
+        layer_store = None
         if config.morph.enabled:
             # Variants are built from the plain model, before its weights move into the arena.
-            store_for_morph = prepare_layer_store(config.morph, loaded.hf_model, loaded.adapter, loaded.layers,
+            layer_store = prepare_layer_store(config.morph, loaded.hf_model, loaded.adapter, loaded.layers,
                                                   checkpoint_dir, model_id)
-        slot_bytes = store_for_morph.slot_bytes() if store_for_morph is not None else None
+        slot_bytes = layer_store.slot_bytes() if layer_store is not None else None
         page_size = config.page_size or default_page_size(self.device)
-        headroom = store_for_morph.headroom_bytes(page_size) if store_for_morph is not None else 0
+        headroom = layer_store.headroom_bytes(page_size) if layer_store is not None else 0
         place = self._sharded_placer(loaded, store, slot_bytes) if self.is_sharded else \
             (lambda budget, page: PlacedWeights.place(loaded.hf_model, loaded.layers, budget, self.device, page,
                                                       slot_bytes))
         self.instance = build_instance(config, loaded, place, headroom_bytes=headroom)
         self.morph: MorphExecutor | None = None
-        if store_for_morph is not None:
-            self.morph = MorphExecutor(store_for_morph, loaded.layers, self.instance.weights, self.instance.budget,
+        if layer_store is not None:
+            self.morph = MorphExecutor(layer_store, loaded.layers, self.instance.weights, self.instance.budget,
                                        headroom, self.device, lambda: self.instance.pool)
         self.reshape = ReshapeParticipant(self) if self.is_sharded else None
 
