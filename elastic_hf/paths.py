@@ -29,3 +29,12 @@ def package_data_file(name: str) -> Path:
 def default_calibration_text() -> Path:
     """The calibration text of `elastic-hf profile` and AWQ when none is given."""
     return package_data_file(CALIBRATION_TEXT)
+
+
+def describe_data_path(path: Path) -> str:
+    """How a profile or log names a text file: the package-relative name for a file shipped in elastic_hf/data (so
+    a committed profile does not record the path of the machine that made it), the path as given otherwise."""
+    try:
+        return f"elastic_hf/data/{Path(path).resolve().relative_to(PACKAGE_DATA_DIR)}"
+    except ValueError:
+        return str(path)

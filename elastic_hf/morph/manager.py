@@ -312,6 +312,7 @@ class MorphManager:
             "last_swap": None if last is None else {
                 "layer": last.layer, "src": last.src, "dst": last.dst, "copy_s": round(last.copy_s, 6),
                 "latency_s": round(last.latency_s, 6), "bytes_copied": last.nbytes_copied},
+            # Cumulative since start (a block attached then detached again counts in both).
             "kv_blocks_attached_by_morphs": self.num_attached,
             "kv_blocks_detached_by_morphs": self.num_detached,
             "host_store": self.info.host_store,

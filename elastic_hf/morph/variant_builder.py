@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -114,15 +115,23 @@ def _load_cached(directory: Path, layers, adapter, device) -> list[nn.Module] | 
 
 
 def _save_cached(directory: Path, variants: list[nn.Module], model_id: str) -> None:
+    """Write into a private temporary directory and rename it into place, so a concurrent reader (TP workers build
+    at once) never sees half a cache entry. An entry already there is stale (it failed to load) or was just
+    written by another process: either way it is replaced, and no temporary directory is left behind."""
     tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
+    stale = directory.with_name(directory.name + f".stale{os.getpid()}")
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         for i, variant in enumerate(variants):
             save_layer_variant(tmp / f"layer-{i:03d}.safetensors", variant, i, model_id)
-        if not directory.exists():
-            tmp.rename(directory)
+        if directory.exists():
+            directory.rename(stale)
+        tmp.rename(directory)
     except OSError as exc:  # a read-only cache dir only costs the next load a rebuild
         log.warning("could not cache layer variants in %s: %s", directory, exc)
+    finally:
+        for leftover in (tmp, stale):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def build_variants(model: nn.Module, adapter, layers: nn.ModuleList, config: MorphConfig,

@@ -16,6 +16,7 @@ from elastic_hf.layers.awq import AwqConfig
 from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.layers.quant_scheme import QuantScheme
 from elastic_hf.layers.quantize_layer import calibrate_and_quantize, decoder_layer_kwargs, reference_layer
+from elastic_hf.paths import describe_data_path
 from elastic_hf.profiling.calibration import calibration_batch, default_calibration_text, held_out_split, tokenize_file
 from elastic_hf.profiling.lis import profile_lis
 from elastic_hf.profiling.perplexity import PerplexityEvaluator, eval_windows, order_sweep
@@ -197,12 +198,12 @@ def _run(args) -> int:
         print(f"loaded LIS profile {args.profile} ({scheme.name}): order {profile.order}")
     else:
         print(f"profiling {resolved.model_id}: {len(layers)} layers, {scheme.name}, calibration "
-              f"{lis_config.samples} x {lis_config.seq_len} tokens from {calib_path}, LIS weights "
+              f"{lis_config.samples} x {lis_config.seq_len} tokens from {describe_data_path(calib_path)}, LIS weights "
               f"{lis_config.alpha1}/{lis_config.alpha2}/{lis_config.beta} on "
               + ("raw" if lis_config.normalize == "none" else f"{lis_config.normalize}-normalised")
               + f" terms, MDS by {lis_config.mds_metric}")
         result = profile_lis(model, adapter, calib_ids, scheme, lis_config, awq_config, resolved.model_id,
-                             str(calib_path), progress=not args.no_progress, prebuilt=prebuilt)
+                             describe_data_path(calib_path), progress=not args.no_progress, prebuilt=prebuilt)
         profile = result.profile
         references = result.references
         profile.save(out_path)
@@ -232,7 +233,7 @@ def _run(args) -> int:
     for seed in RANDOM_SEEDS:
         generator = torch.Generator().manual_seed(seed)
         orders[f"random-{seed}"] = torch.randperm(num_layers, generator=generator).tolist()
-    print(f"evaluating on {windows.shape[0]} x {windows.shape[1]} held-out tokens from {eval_path}"
+    print(f"evaluating on {windows.shape[0]} x {windows.shape[1]} held-out tokens from {describe_data_path(eval_path)}"
           + (" (second half; calibration used the first half)" if eval_path.resolve() == calib_path.resolve() else ""))
     results = order_sweep(evaluator, references, orders, ks,
                           on_result=None if args.no_progress else

@@ -192,6 +192,25 @@ def test_awq_variants_are_cached_and_reload_identically(tiny_checkpoint, tmp_pat
     assert_bit_identical(second, original)
 
 
+def test_stale_variant_cache_is_replaced_without_leftovers(tiny_checkpoint, tmp_path):
+    """A cache entry that fails to load is rebuilt and replaced; no temporary directories stay behind."""
+    from elastic_hf import ElasticModel
+
+    options = {"precisions": ("w8",), "cache_dir": str(tmp_path / "cache")}
+    ElasticModel.from_pretrained(tiny_checkpoint("llama"), kv_cache_memory=1 << 20, morph="manual",
+                                 morph_options=options)
+    entry = next((tmp_path / "cache").rglob("layer-000.safetensors")).parent
+    (entry / "layer-001.safetensors").write_bytes(b"truncated")
+    model = ElasticModel.from_pretrained(tiny_checkpoint("llama"), kv_cache_memory=1 << 20, morph="manual",
+                                         morph_options=options)
+    assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]
+    assert (entry / "layer-001.safetensors").stat().st_size > 1000
+    stored = model.worker.morph.swapper.store.image(1, "w8")
+    reloaded = ElasticModel.from_pretrained(tiny_checkpoint("llama"), kv_cache_memory=1 << 20, morph="manual",
+                                            morph_options=options).worker.morph.swapper.store.image(1, "w8")
+    assert torch.equal(stored.data, reloaded.data)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
 def test_other_architectures_round_trip(tiny_checkpoint, arch):
     """Qwen2 carries q/k/v biases (buffers of the quantized linears), Mistral a sliding window."""
