@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from elastic_hf.topology import parse_topology
 from elastic_hf.units import parse_memory_budget
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -89,7 +90,9 @@ class EngineConfig:
     max_model_len: int | None = None     # None: what the model and the largest reachable KV cache allow, <= 8192
     # -- deployment
     num_workers: int = 1                 # 1: one worker driven in-process; more: worker processes (torch.distributed)
-    topology: tuple[int, ...] | None = None   # TP degree of each instance over consecutive workers; None: all TP1
+    # Instances over consecutive workers: a TP degree, or "TPxPP" (optionally ":16/14" layers per stage) each, e.g.
+    # (2, 1), "1x2,1" or ("1x2:16/14",); None: all TP1. Normalised to Topology.sizes.
+    topology: tuple | str | None = None
     tp_policy: str = "static"            # elastic: merge instances for long requests, split back (Gyges §5)
     router: str | None = None            # elastic | least_load | round_robin; None: elastic iff tp_policy elastic
     scale_down_load: float = 0.5         # split a merged instance once no long request remains and load is below
@@ -120,10 +123,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 1 <= self.num_workers <= MAX_WORKERS:
             raise ValueError(f"num_workers must be in [1, {MAX_WORKERS}], got {self.num_workers}")
-        self.topology = (1,) * self.num_workers if self.topology is None else tuple(int(t) for t in self.topology)
-        if not self.topology or any(t < 1 for t in self.topology) or sum(self.topology) > self.num_workers:
-            raise ValueError(f"topology {list(self.topology)} must give each instance a TP degree >= 1 and cover "
-                             f"at most num_workers={self.num_workers} workers (the rest wait in standby)")
+        topology = parse_topology((1,) * self.num_workers if self.topology is None else self.topology)
+        if topology.num_workers > self.num_workers:
+            raise ValueError(f"topology {topology} covers {topology.num_workers} workers; it may cover at most "
+                             f"num_workers={self.num_workers} (the rest wait in standby)")
+        self.topology = topology.sizes
         if self.tp_policy not in TP_POLICIES:
             raise ValueError(f"tp_policy must be one of {TP_POLICIES}, got {self.tp_policy!r}")
         if self.router is None:

@@ -147,6 +147,11 @@ class ElasticModel:
         return self.deployment.max_model_len
 
     @property
+    def topology(self):
+        """The current layout of the workers into instances (a Topology; str() gives e.g. "[1,1]")."""
+        return self.deployment.topology
+
+    @property
     def instances(self) -> list:
         """The serving instances (workers, LLMEngine) of the current topology."""
         return self.deployment.instances
@@ -233,11 +238,13 @@ class ElasticModel:
                 self.deployment.abort_request(request_id)
 
     # ------------------------------------------------------------------ reshaping and memory
-    def reshape(self, topology, weights_source: str | None = None) -> ReshapeReport:
-        """Change the tensor-parallel layout in place, e.g. [1, 1] -> [2] -> [1, 1] (a transaction: a failure before
-        its commit point leaves the old layout serving). Between generate calls; the server runs it on its engine
-        thread (POST /admin/reshape)."""
-        return self.deployment.reshape(topology, weights_source)
+    def reshape(self, topology, weights_source: str | None = None, allow_preemption: bool = True) -> ReshapeReport:
+        """Change the TP x PP layout in place, e.g. [1, 1] -> [1x2] -> [2] -> [1, 1] (a transaction: a failure
+        before its commit point leaves the old layout serving). Requests in flight keep their KV cache and go on
+        decoding (also inside a `stream()` loop); those whose KV the new layout cannot hold are preempted by
+        recompute and listed in the report's `preempted` (allow_preemption=False refuses the reshape instead). The
+        server runs it on its engine thread (POST /admin/reshape)."""
+        return self.deployment.reshape(topology, weights_source, allow_preemption)
 
     def memory_report(self) -> dict:
         """Committed bytes summed over the workers (budget, weights, KV, free; KV blocks), plus each worker's own

@@ -12,7 +12,7 @@ import elastic_hf
 PACKAGE_DIR = Path(elastic_hf.__file__).resolve().parent
 ARCHITECTURE_DOC = PACKAGE_DIR.parent / "docs" / "ARCHITECTURE.md"
 # Lowest first. A unit is a sub-package (memory, kv, ...) or a top-level module (config.py, elastic_model.py).
-LAYERS = ["units", "paths", "config", "topology", "memory", "patches", "native", "layers", "kv", "model", "engine",
+LAYERS = ["units", "paths", "topology", "config", "memory", "patches", "native", "layers", "kv", "model", "engine",
           "profiling", "morph", "parallel", "elastic_model", "serving"]
 MORPH_MAY_READ_FROM_PROFILING = {"elastic_hf.profiling.profile_format", "elastic_hf.profiling.calibration"}
 MAX_LINES = 400

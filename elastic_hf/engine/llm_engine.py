@@ -207,14 +207,17 @@ class LLMEngine:
                              request.arrival_time, request.first_token_time, request.finish_time)
 
     # ------------------------------------------------------------------ requests moving between engines
-    def adopt(self, request: Request, block_ids: dict[int, list[int]]) -> None:
+    def adopt(self, request: Request, block_ids: dict[int, list[int]], recompute: bool = False) -> None:
         """Take over a request another engine ran (a reshape moves it here with its KV cache): block_ids maps
         each of its sequences' seq_id to the blocks that now hold its cache in this engine's allocator. Nothing
-        is recomputed; the scheduler keeps admission order."""
+        is recomputed; the scheduler keeps admission order. recompute=True: it comes without its KV cache (the new
+        layout had no room), so its running sequences are preempted by recompute here."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in this engine")
         running, waiting = [], []
         for seq in request.seqs:
+            if recompute and seq.status is SeqStatus.RUNNING:
+                self.scheduler.reset_for_recompute(seq)
             if seq.seq_id in block_ids:
                 seq.block_ids = list(block_ids[seq.seq_id])
             if seq.status is SeqStatus.RUNNING:
@@ -223,6 +226,13 @@ class LLMEngine:
                 waiting.append(seq)
         self.requests[request.request_id] = request
         self.scheduler.adopt(running, waiting)
+
+    def preempt_request(self, request_id: str) -> int:
+        """Preempt the running sequences of one request by recompute (its KV cache is gone). Returns how many."""
+        running = [seq for seq in self.requests[request_id].seqs if seq.status is SeqStatus.RUNNING]
+        for seq in running:
+            self.scheduler.preempt(seq)
+        return len(running)
 
     def preempt_running(self) -> int:
         """Preempt every running sequence by recompute (its KV cache was lost, e.g. with a dead worker); the

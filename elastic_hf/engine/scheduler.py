@@ -63,11 +63,16 @@ class Scheduler:
         tokens stay; they are prefilled again with the prompt)."""
         self.running.remove(seq)
         self.allocator.free(seq.block_ids)
+        self.reset_for_recompute(seq)
+        self.waiting.appendleft(seq)
+
+    def reset_for_recompute(self, seq: Sequence) -> None:
+        """A sequence whose KV cache is gone (freed here, or left behind by a reshape) waits to be prefilled
+        again with its generated tokens; counted as a preemption."""
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def schedule(self) -> list[ScheduledSeq]:

@@ -7,6 +7,9 @@ One KV block holds `block_size` tokens of every layer:
 
 Keeping a KV head's tokens contiguous inside a block means a head range of a block is one contiguous byte range
 per layer: a reshape moves or frees whole head ranges without touching the others.
+
+A pipeline stage holds only its own layers [first_layer, first_layer + num_layers): model layer l sits at local
+layer l - first_layer, and a block is that much smaller.
 """
 from __future__ import annotations
 
@@ -26,11 +29,27 @@ class KVLayout:
     block_size: int
     dtype: torch.dtype
     page_size: int
+    first_layer: int = 0   # model index of the first layer held (a pipeline stage's layer_start)
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.first_layer < 0:
+            raise ValueError(f"first_layer must be >= 0, got {self.first_layer}")
+
+    @property
+    def layer_range(self) -> range:
+        """Model layer indices held."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+    def local_layer(self, layer_idx: int) -> int:
+        """Index of model layer `layer_idx` inside a block."""
+        local = layer_idx - self.first_layer
+        if not 0 <= local < self.num_layers:
+            raise ValueError(f"layer {layer_idx} is not held here: this KV cache holds layers "
+                             f"{self.first_layer}..{self.first_layer + self.num_layers - 1}")
+        return local
 
     @property
     def itemsize(self) -> int:

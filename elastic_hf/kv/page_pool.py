@@ -40,7 +40,8 @@ class KVPagePool:
             self.max_blocks, lo.num_kv_heads, 2, lo.block_size, lo.head_dim)
 
     def layer(self, layer_idx: int) -> torch.Tensor:
-        return self._layer_views[layer_idx]
+        """[max_blocks, kv_heads, 2, block_size, head_dim] view of model layer `layer_idx`."""
+        return self._layer_views[self.layout.local_layer(layer_idx)]
 
     @property
     def num_blocks(self) -> int:

@@ -23,7 +23,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     pool = paged_batch.pool
     layout = pool.layout
     rows = pool.rows                                       # [arena rows, head_dim]
-    layer_offset = module.layer_idx * layout.rows_per_layer
+    local_layer = module.layer_idx - layout.first_layer    # a pipeline stage holds only its own layers
+    layer_offset = local_layer * layout.rows_per_layer
     v_offset = layout.block_size                           # a V row sits block_size rows after its K row
     num_kv_heads, head_dim = key.shape[1], key.shape[3]
     num_heads = query.shape[1]
@@ -54,7 +55,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     rows_slice = slice(d.first_row, d.first_row + d.num_seqs)
     q = query[0, :, rows_slice].transpose(0, 1)                     # [B, num_heads, hd]
     scale = scaling if scaling is not None else head_dim ** -0.5
-    layer_chunk_offset = module.layer_idx * layout.chunks_per_layer
+    layer_chunk_offset = local_layer * layout.chunks_per_layer
     if native_decode_available(query.dtype, query.device):
         # fp32 on the CPU: the C kernel reads every decode's K/V in place from its pages.
         paged_decode_attention(q, pool.chunks, d.chunk_ids, layer_chunk_offset, d.lens, out[rows_slice],

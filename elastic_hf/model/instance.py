@@ -91,21 +91,23 @@ class ModelInstance:
     def hf_model(self) -> nn.Module:
         return self.loaded.hf_model
 
-    def kv_layout(self, tp: int, rank: int) -> KVLayout:
-        """KV blocks of shard (tp, rank): the shard's KV-head range of every layer."""
+    def kv_layout(self, tp: int, rank: int, layers: tuple[int, int] | None = None) -> KVLayout:
+        """KV blocks of shard (tp, rank): the shard's KV-head range of every layer it holds ([start, end); None:
+        all, a pipeline stage holds its own)."""
         lo, hi = head_range(self.loaded.num_kv_heads, tp, rank)
-        return KVLayout(self.loaded.num_layers, hi - lo, self.loaded.head_dim, self.block_size, self.loaded.dtype,
-                        self.page_size)
+        start, end = layers if layers is not None else (0, self.loaded.num_layers)
+        return KVLayout(end - start, hi - lo, self.loaded.head_dim, self.block_size, self.loaded.dtype,
+                        self.page_size, start)
 
-    def kv_capacity(self, tp: int, rank: int) -> int:
-        """KV blocks this worker can hold as shard (tp, rank) once its weights are that shard."""
-        free = self.budget.total_bytes - self.weights.shard_bytes(tp, rank) - self.headroom_bytes
-        return max(free, 0) // self.kv_layout(tp, rank).block_bytes
+    def kv_capacity(self, tp: int, rank: int, layers: tuple[int, int] | None = None) -> int:
+        """KV blocks this worker can hold as shard (tp, rank) of `layers` once its weights are that shard."""
+        free = self.budget.total_bytes - self.weights.shard_bytes(tp, rank, layers) - self.headroom_bytes
+        return max(free, 0) // self.kv_layout(tp, rank, layers).block_bytes
 
-    def new_pool(self, tp: int, rank: int, num_blocks: int) -> KVPagePool:
-        """A KV pool for shard (tp, rank) with `num_blocks` blocks attached; its arena reserves room for the whole
-        budget, since morphs may hand the KV cache every byte the weights give up."""
-        layout = self.kv_layout(tp, rank)
+    def new_pool(self, tp: int, rank: int, num_blocks: int, layers: tuple[int, int] | None = None) -> KVPagePool:
+        """A KV pool for shard (tp, rank) of `layers` with `num_blocks` blocks attached; its arena reserves room for
+        the whole budget, since morphs may hand the KV cache every byte the weights give up."""
+        layout = self.kv_layout(tp, rank, layers)
         max_blocks = self.budget.total_bytes // layout.block_bytes
         if num_blocks > max_blocks:
             raise ValueError(f"{num_blocks} KV blocks exceed the {max_blocks} that fit the worker's budget of "

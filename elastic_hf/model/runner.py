@@ -1,7 +1,10 @@
 """Data plane of one worker: turns a scheduled step into one packed varlen forward of the HF model and returns the
 logits of the sequences that sample this step. It implements the engine's Runner protocol; a step's inputs are the
 engine's SeqStepInput records (engine/step_plan.py: token_ids, num_computed, block_ids, needs_logits), read by
-attribute so this lower package does not import the engine."""
+attribute so this lower package does not import the engine.
+
+On a pipeline stage (model/stage.py) the runner runs only the stage's layers: a later stage takes the previous
+stage's hidden states instead of token ids, and every stage but the last returns hidden states instead of logits."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +12,7 @@ from torch import nn
 
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_batch import build_paged_batch, is_batched_decode
+from elastic_hf.model.stage import StageSpec, StageView
 
 
 class ModelRunner:
@@ -18,10 +22,25 @@ class ModelRunner:
         self.pool = pool
         self.sliding_window = sliding_window
         self.device = next(model.parameters()).device
+        self.stage_view: StageView | None = None
+
+    @property
+    def stage(self) -> StageSpec | None:
+        """None: the whole model (no pipeline)."""
+        return self.stage_view.spec if self.stage_view is not None else None
+
+    def set_stage(self, spec: StageSpec, layers: nn.ModuleList) -> None:
+        """Run only the layers [spec.layer_start, spec.layer_end) from now on (the whole range undoes it)."""
+        if self.stage_view is None:
+            self.stage_view = StageView(self.model, layers)
+        self.stage_view.apply(spec)
 
     @torch.inference_mode()
-    def execute(self, inputs: list) -> torch.Tensor:
-        """Returns logits [num_sampling_seqs, vocab] (fp32) in the order of the inputs that need logits."""
+    def execute(self, inputs: list, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns logits [num_sampling_seqs, vocab] (fp32) in the order of the inputs that need logits; on a stage
+        that is not the last, the hidden states [T, hidden] of every packed token instead. A stage that is not the
+        first takes the previous stage's hidden states `hidden_in` [T, hidden] (same packed order) for the ids."""
+        stage = self.stage
         # Decodes go first in the packed batch: their rows are then one contiguous slice, which the attention
         # reads and writes as views instead of gathers and scatters.
         order = sorted(range(len(inputs)), key=lambda i: not is_batched_decode(
@@ -40,11 +59,21 @@ class ModelRunner:
         batch = build_paged_batch(
             self.pool, [(inputs[i].num_computed, len(inputs[i].token_ids), inputs[i].block_ids) for i in order],
             self.sliding_window)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0)  # [1, T]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)   # [1, T]
+        if stage is None or stage.is_first:
+            tokens = {"input_ids": torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0)}  # [1, T]
+        else:
+            if hidden_in is None or hidden_in.shape[0] != len(input_ids):
+                raise ValueError(f"stage of layers {stage.layers} needs the previous stage's hidden states for "
+                                 f"{len(input_ids)} tokens, got "
+                                 f"{None if hidden_in is None else tuple(hidden_in.shape)}")
+            tokens = {"inputs_embeds": hidden_in.unsqueeze(0)}                                 # [1, T, hidden]
+        if stage is not None and not stage.is_last:
+            out = self.stage_view.decoder(**tokens, position_ids=pos, use_cache=False, paged_batch=batch)
+            return out.last_hidden_state[0]                                                    # [T, hidden]
         # Only the last position of each sampling sequence goes through the LM head (49k vocab rows).
         keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, paged_batch=batch)
+        out = self.model(**tokens, position_ids=pos, use_cache=False, logits_to_keep=keep, paged_batch=batch)
         logits = out.logits[0].float()  # [num_sampling_seqs, vocab] in packed order
         if logit_owner != sorted(logit_owner):
             # Back to the callers' order: row r belongs to inputs[logit_owner[r]], so sort rows by owner.

@@ -156,10 +156,12 @@ class PlacedWeights:
     def committed_bytes(self) -> int:
         return self.arena.committed_bytes
 
-    def shard_bytes(self, tp: int, rank: int) -> int:
-        """Committed bytes as shard (tp, rank): a single worker only runs TP1, with every fp region committed."""
-        if (tp, rank) != (1, 0):
-            raise ValueError(f"a single-worker instance runs at TP1 only, got tp={tp} rank={rank}")
+    def shard_bytes(self, tp: int, rank: int, layers: tuple[int, int] | None = None) -> int:
+        """Committed bytes as shard (tp, rank): a single worker only runs TP1 over every layer, each fp region
+        committed."""
+        if (tp, rank) != (1, 0) or layers not in (None, (0, len(self.placement.layers))):
+            raise ValueError(f"a single-worker instance runs all layers at TP1 only, got tp={tp} rank={rank} "
+                             f"layers={layers}")
         return self.placement.committed_bytes
 
     def fp_region(self, layer: int) -> ArenaRange:

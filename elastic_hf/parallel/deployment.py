@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 
 from elastic_hf.config import EngineConfig
 from elastic_hf.engine.errors import InvalidRequest
@@ -24,38 +23,17 @@ from elastic_hf.layers.shard_layout import allowed_tp_degrees
 from elastic_hf.morph.builder import create_manager, swap_order
 from elastic_hf.morph.manager import MorphManager
 from elastic_hf.morph.metrics import MorphMetrics
+from elastic_hf.parallel.instance_runner import Instance, InstanceRunner
 from elastic_hf.parallel.metrics import DeploymentMetrics
 from elastic_hf.parallel.reshape import ReshapeAborted, ReshapeReport, resume_instances, run_reshape
 from elastic_hf.parallel.worker_pool import InProcessWorkerPool, ProcessWorkerPool, WorkerError
-from elastic_hf.topology import Topology, candidate_topologies
+from elastic_hf.topology import InstanceShape, Topology, candidate_topologies, parse_topology
 from elastic_hf.units import ceil_div
 
 log = logging.getLogger(__name__)
 
 SCALE_DOWN_BACKOFF_STEPS = 16  # steps to wait after a scale-down that did not fit before trying again
 MAX_DEFAULT_MODEL_LEN = 8192
-
-
-class InstanceRunner:
-    """The engine's Runner for one instance: a step goes to every worker of the instance; rank 0's logits come
-    back."""
-
-    def __init__(self, pool, workers: tuple[int, ...]):
-        self.pool = pool
-        self.workers = workers
-
-    def execute(self, inputs):
-        return self.pool.call_many(self.workers, "execute", inputs)[0]  # [num_sampling_seqs, vocab]
-
-
-@dataclass(slots=True)
-class Instance:
-    workers: tuple[int, ...]
-    engine: LLMEngine
-
-    @property
-    def tp(self) -> int:
-        return len(self.workers)
 
 
 class Deployment:
@@ -69,13 +47,12 @@ class Deployment:
         self.checkpoint_dir = checkpoint_dir
         self.tokenizer = tokenizer
         self.hf_config = hf_config
-        _, self.num_kv_heads, _ = get_adapter(hf_config).head_counts(hf_config)
+        _, self.num_kv_heads, self.head_dim = get_adapter(hf_config).head_counts(hf_config)
         self.degrees = allowed_tp_degrees(config.num_workers, self.num_kv_heads)
-        self.candidates = candidate_topologies(config.num_workers, self.degrees, with_standby=True)
-        self.topology = Topology(config.topology)
-        if self.topology not in self.candidates:
-            raise ValueError(f"topology {self.topology} is not a candidate for {config.num_workers} workers and "
-                             f"{self.num_kv_heads} KV heads: {[str(t) for t in self.candidates]}")
+        self.num_layers = hf_config.num_hidden_layers
+        self.candidates = candidate_topologies(config.num_workers, self.degrees, with_standby=True,
+                                               max_pp=min(config.num_workers, self.num_layers))
+        self.topology = self.check_topology(config.topology)
         self.eos_token_ids = eos_token_ids(checkpoint_dir, tokenizer)
         self._seq_ids = itertools.count()   # shared by every instance engine: ids stay unique across moves
         self._request_ids = itertools.count()
@@ -90,7 +67,7 @@ class Deployment:
         # deployment's and the morph metrics live in the same registry, so one /metrics page shows all.
         self.metrics = EngineMetrics(model_id)
         self.deployment_metrics = DeploymentMetrics(self.metrics.registry)
-        self.deployment_metrics.set_topology(self.topology.sizes, self.degrees)
+        self.deployment_metrics.set_topology(self.topology)
         self.policy = TPPolicy(config, self.degrees)
         self.morph_managers: dict[int, MorphManager] = {}
         self.pool = None
@@ -120,33 +97,55 @@ class Deployment:
                                                   self.hf_config.num_hidden_layers, parse_dtype(self.config.dtype))
         return ProcessWorkerPool(self.config, str(self.checkpoint_dir), self.model_id, store)
 
-    def capacity(self, workers: tuple[int, ...]) -> int:
-        """KV blocks of a full-precision instance on `workers` (fixed per worker set: the budgets do not change)."""
-        if workers not in self._capacities:
-            self._capacities[workers] = min(self.pool.call(w, "kv_capacity", len(workers), rank)
-                                            for rank, w in enumerate(workers))
-        return self._capacities[workers]
+    def check_topology(self, value) -> Topology:
+        """The topology `value` names, if it is a candidate (layer splits of pipelined instances aside) whose
+        splits fit the model; else ValueError naming what is allowed."""
+        topology = parse_topology(value)
+        if topology.without_splits() not in self.candidates:
+            raise ValueError(f"topology {topology} is not a candidate for {self.config.num_workers} workers, "
+                             f"{self.num_kv_heads} KV heads and {self.num_layers} layers: "
+                             f"{[str(t) for t in self.candidates]}")
+        topology.check_layers(self.num_layers)
+        return topology
 
-    def _new_instance(self, workers: tuple[int, ...], allocator: BlockAllocator) -> Instance:
-        engine = LLMEngine(InstanceRunner(self.pool, workers), Scheduler(self.config, allocator), self.tokenizer,
+    def capacity(self, key: tuple[tuple[int, ...], InstanceShape] | tuple[int, ...]) -> int:
+        """KV blocks of a full-precision instance (workers, shape); bare workers mean one TP stage over them.
+        Fixed per key: the budgets do not change. Every stage holds the same block ids for its own layers, so a
+        pipelined instance holds what its fullest stage holds."""
+        if not isinstance(key[-1], InstanceShape):
+            key = (tuple(key), InstanceShape(len(key)))
+        if key not in self._capacities:
+            workers, shape = key
+            bounds = shape.stage_bounds(self.num_layers)
+            self._capacities[key] = min(
+                self.pool.call(w, "kv_capacity", shape.tp, i % shape.tp,
+                               bounds[i // shape.tp] if shape.pp > 1 else None)
+                for i, w in enumerate(workers))
+        return self._capacities[key]
+
+    def _new_instance(self, key: tuple[tuple[int, ...], InstanceShape], allocator: BlockAllocator) -> Instance:
+        workers, shape = key
+        runner = InstanceRunner(self.pool, workers, shape, self.deployment_metrics.on_pipeline_step)
+        engine = LLMEngine(runner, Scheduler(self.config, allocator), self.tokenizer,
                            model_id=self.model_id, max_model_len=self.max_model_len,
                            vocab_size=self.hf_config.vocab_size, eos_token_ids=self.eos_token_ids,
                            metrics=self.metrics, seq_ids=self._seq_ids)
-        return Instance(workers, engine)
+        return Instance(workers, engine, shape)
 
     def _build_instances(self, topology: Topology) -> list[Instance]:
         instances = []
-        for idx, workers in enumerate(topology.instances()):
-            num_blocks = self.capacity(workers)
-            self.pool.call_many(workers, "init_kv", num_blocks)
-            instances.append(self._new_instance(workers, BlockAllocator(range(num_blocks))))
+        for key in topology.instance_keys():
+            num_blocks = self.capacity(key)
+            self.pool.call_many(key[0], "init_kv", num_blocks)
+            instances.append(self._new_instance(key, BlockAllocator(range(num_blocks))))
         return instances
 
     def _max_model_len(self) -> int:
         """The configured limit, else what the model and the largest KV cache a reshape can reach allow (a request
         too long for the current instances merges them under the elastic policy, or waits for an admin reshape)."""
         limit = getattr(self.hf_config, "max_position_embeddings", None) or MAX_DEFAULT_MODEL_LEN
-        kv_tokens = max(self.capacity(ws) for t in self.candidates for ws in t.instances()) * self.config.block_size
+        kv_tokens = max(self.capacity(key) for t in self.candidates for key in t.instance_keys()) \
+            * self.config.block_size
         requested = self.config.max_model_len
         if requested is None:
             value = min(limit, kv_tokens, MAX_DEFAULT_MODEL_LEN)
@@ -171,7 +170,7 @@ class Deployment:
 
     def _bind_morph(self) -> None:
         """Each TP1 instance's worker morphs; a worker in a larger instance (or in standby) pauses."""
-        owner = {inst.workers[0]: inst.engine for inst in self.instances if inst.tp == 1}
+        owner = {inst.workers[0]: inst.engine for inst in self.instances if inst.shape == InstanceShape(1)}
         for w, manager in self.morph_managers.items():
             engine = owner.get(w)
             if manager.engine is not engine:
@@ -191,7 +190,7 @@ class Deployment:
         for idx, inst in enumerate(self.instances):
             allocator = inst.engine.scheduler.allocator
             num_long = sum(1 for r in inst.engine.requests if r in self.long_request_ids)
-            half = inst.tp // 2
+            half = inst.tp // 2 if inst.shape.pp == 1 else 0   # the elastic TP policy splits TP instances only
             split = self.capacity(inst.workers[:half]) + self.capacity(inst.workers[half:]) if half else 0
             out.append(InstanceLoad(idx, inst.tp, allocator.num_total, allocator.num_used, len(inst.engine.requests),
                                     num_long, split))
@@ -226,7 +225,8 @@ class Deployment:
         return request_id
 
     def _admit(self, need: int, is_long: bool) -> int:
-        merge_failed = False
+        # The elastic TP policy merges and splits TP instances; with a pipelined instance it only routes.
+        merge_failed = not self.topology.is_tensor_only
         for _ in range(len(self.degrees) + 1):
             admission = self.policy.admit(self.loads(), self.topology.sizes, need, is_long, merge_failed)
             if admission.merge_to is None:
@@ -275,7 +275,7 @@ class Deployment:
     def _maybe_scale_down(self) -> None:
         """Gyges Alg. 2 at a step boundary: split a merged instance once no long request is left on it and its
         load is low enough."""
-        if not self.policy.is_elastic:
+        if not self.policy.is_elastic or not self.topology.is_tensor_only:
             return
         live = {r for inst in self.instances for r in inst.engine.requests}
         self.long_request_ids &= live
@@ -317,9 +317,11 @@ class Deployment:
         return self.pool.call_many(range(self.config.num_workers), "memory_report")
 
     # ------------------------------------------------------------------ reshape and recovery
-    def reshape(self, target, weights_source: str | None = None) -> ReshapeReport:
-        """Change the topology in place (a transaction, see parallel/reshape.py). Call between steps."""
-        return run_reshape(self, target, weights_source)
+    def reshape(self, target, weights_source: str | None = None, allow_preemption: bool = False) -> ReshapeReport:
+        """Change the topology in place (a transaction, see parallel/reshape.py). Call between steps. Requests whose
+        KV the new layout cannot hold are preempted by recompute only with allow_preemption (an operator's
+        reshape); the TP policy's own merges and splits wait instead."""
+        return run_reshape(self, target, weights_source, allow_preemption)
 
     def restore_full_precision(self, workers: list[int]) -> None:
         """Before a reshape moves these workers: their layers go back to fp (a TP shard is full precision). Raises
@@ -344,7 +346,7 @@ class Deployment:
         self.reshapes.append(report)
         self.deployment_metrics.on_reshape(report.committed, report.seconds, report.worker_stats)
         if report.committed:
-            self.deployment_metrics.set_topology(self.topology.sizes, self.degrees)
+            self.deployment_metrics.set_topology(self.topology)
 
     def recover(self) -> list[int]:
         """Replace dead worker processes under the current topology. Requests of an instance that lost a worker lost
@@ -358,7 +360,7 @@ class Deployment:
             if not lost:
                 continue
             inst.engine.preempt_running()
-            capacity = self.capacity(inst.workers)
+            capacity = self.capacity(inst.key)
             if inst.engine.scheduler.allocator.num_total != capacity:  # morphs had grown it: start afresh at fp
                 inst.engine.scheduler.replace_allocator(BlockAllocator(range(capacity)))
             self.pool.call_many(lost, "init_kv", capacity)

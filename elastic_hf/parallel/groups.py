@@ -6,7 +6,8 @@ from elastic_hf.topology import Topology, group_rank_sets
 
 
 class ProcessGroups:
-    """All TP groups of the candidate topologies of one worker; `for_topology` is the snapshot lookup."""
+    """All TP groups (instances, or stages of pipelined instances) of the candidate topologies of one worker;
+    `for_topology` is the snapshot lookup. Pipeline stages talk point-to-point on global ranks: no group needed."""
 
     def __init__(self, topologies: list[Topology], backend: str):
         import torch.distributed as dist
@@ -25,9 +26,8 @@ class ProcessGroups:
         return self.groups[workers]
 
     def for_topology(self, topology: Topology, worker: int):
-        """(group, tp, rank) of `worker` in `topology`, or None in standby."""
+        """(group, tp, rank) of `worker` in `topology` (its stage's TP group), or None in standby."""
         role = topology.role(worker)
         if role is None:
             return None
-        idx, tp, rank = role
-        return self.group(topology.instances()[idx]), tp, rank
+        return self.group(role.stage_workers), role.tp, role.rank

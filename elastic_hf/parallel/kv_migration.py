@@ -11,8 +11,10 @@ from elastic_hf.kv.migration_plan import KVTransfer
 
 def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: int, new_pool,
                new_head_start: int) -> dict:
-    """Execute this worker's share of the plan. Returns bytes moved locally / sent / received and the largest
-    per-layer staging buffer (the peak extra bytes beyond the new pool's pages)."""
+    """Execute this worker's share of the plan, one model layer at a time from the last, so the staging buffers
+    hold at most one layer's share (ReMP §3.5.4). A pool's layout says which layers it holds (a pipeline stage's
+    range). Returns bytes moved locally / sent / received and the largest per-layer staging buffer (the peak extra
+    bytes beyond the new pool's pages)."""
     import torch
     import torch.distributed as dist
 
@@ -26,51 +28,65 @@ def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: i
         start = block * lo.rows_per_block + (heads_from - head_start) * 2 * bs
         return torch.arange(start, start + num_heads * 2 * bs)  # K and V of each head are adjacent
 
-    local_src, local_dst = [], []
-    send: dict[int, list[torch.Tensor]] = {}
-    recv: dict[int, list[torch.Tensor]] = {}
+    # Row ids within a layer, grouped by the transfers' layer range (few distinct ranges: stage intersections).
+    groups: dict[tuple[int, int], dict] = {}
     for t in transfers:
+        if me not in (t.src_worker, t.dst_worker):
+            continue
+        g = groups.setdefault((t.layer_start, t.layer_end), {"local_src": [], "local_dst": [], "send": {},
+                                                             "recv": {}})
         n = t.head_end - t.head_start
         if t.src_worker == me:
             src = rows(t.src_block, t.head_start, n, old_lo, old_head_start)
             if t.dst_worker == me:
-                local_src.append(src)
-                local_dst.append(rows(t.dst_block, t.head_start, n, new_lo, new_head_start))
+                g["local_src"].append(src)
+                g["local_dst"].append(rows(t.dst_block, t.head_start, n, new_lo, new_head_start))
             else:
-                send.setdefault(t.dst_worker, []).append(src)
-        elif t.dst_worker == me:
-            recv.setdefault(t.src_worker, []).append(rows(t.dst_block, t.head_start, n, new_lo, new_head_start))
+                g["send"].setdefault(t.dst_worker, []).append(src)
+        else:
+            g["recv"].setdefault(t.src_worker, []).append(rows(t.dst_block, t.head_start, n, new_lo, new_head_start))
     cat = lambda parts: torch.cat(parts).to(device) if parts else None  # noqa: E731
-    local_src_rows, local_dst_rows = cat(local_src), cat(local_dst)
-    send_rows = {peer: cat(parts) for peer, parts in sorted(send.items())}
-    recv_rows = {peer: cat(parts) for peer, parts in sorted(recv.items())}
+    for g in groups.values():
+        g["local_src"], g["local_dst"] = cat(g["local_src"]), cat(g["local_dst"])
+        g["send"] = {peer: cat(parts) for peer, parts in g["send"].items()}
+        g["recv"] = {peer: cat(parts) for peer, parts in g["recv"].items()}
 
     row_bytes = old_lo.head_dim * old_lo.itemsize
     stats = {"local_bytes": 0, "sent_bytes": 0, "received_bytes": 0, "peak_staging_bytes": 0}
     old_rows = old_pool.rows if old_pool is not None else None   # [arena rows, head_dim]
     new_rows = new_pool.rows if new_pool is not None else None
-    for layer in reversed(range(old_lo.num_layers)):
-        o_off, n_off = layer * old_lo.rows_per_layer, layer * new_lo.rows_per_layer
+    last_layer = max((end for _, end in groups), default=0)
+    for layer in reversed(range(last_layer)):
+        active = [g for (start, end), g in groups.items() if start <= layer < end]
+        if not active:
+            continue
+        # Offsets of this model layer inside each pool (pools of pipeline stages start at their first layer).
+        o_off = (layer - old_lo.first_layer) * old_lo.rows_per_layer
+        n_off = (layer - new_lo.first_layer) * new_lo.rows_per_layer
+        send = {peer: torch.cat([g["send"][peer] for g in active if peer in g["send"]])
+                for peer in sorted({p for g in active for p in g["send"]})}
+        recv = {peer: torch.cat([g["recv"][peer] for g in active if peer in g["recv"]])
+                for peer in sorted({p for g in active for p in g["recv"]})}
         ops, inbox, staging = [], [], 0
-        for peer, idx in send_rows.items():
+        for peer, idx in send.items():
             buf = old_rows.index_select(0, idx + o_off)                 # [rows, head_dim]
             ops.append(dist.P2POp(dist.isend, buf, peer))
             staging += buf.numel() * buf.element_size()
-        for peer, idx in recv_rows.items():
+            stats["sent_bytes"] += buf.numel() * buf.element_size()
+        for peer, idx in recv.items():
             buf = torch.empty(idx.numel(), new_lo.head_dim, dtype=new_lo.dtype, device=device)  # [rows, head_dim]
             ops.append(dist.P2POp(dist.irecv, buf, peer))
             inbox.append((idx, buf))
             staging += buf.numel() * buf.element_size()
+            stats["received_bytes"] += buf.numel() * buf.element_size()
         works = dist.batch_isend_irecv(ops) if ops else []
-        if local_src_rows is not None:  # overlaps the transfers
-            new_rows.index_copy_(0, local_dst_rows + n_off, old_rows.index_select(0, local_src_rows + o_off))
+        for g in active:  # local copies overlap the transfers
+            if g["local_src"] is not None:
+                new_rows.index_copy_(0, g["local_dst"] + n_off, old_rows.index_select(0, g["local_src"] + o_off))
+                stats["local_bytes"] += g["local_src"].numel() * row_bytes
         for w in works:
             w.wait()
         for idx, buf in inbox:
             new_rows.index_copy_(0, idx + n_off, buf)
         stats["peak_staging_bytes"] = max(stats["peak_staging_bytes"], staging)
-    num_layers = old_lo.num_layers
-    stats["local_bytes"] = (0 if local_src_rows is None else local_src_rows.numel()) * row_bytes * num_layers
-    stats["sent_bytes"] = sum(i.numel() for i in send_rows.values()) * row_bytes * num_layers
-    stats["received_bytes"] = sum(i.numel() for i in recv_rows.values()) * row_bytes * num_layers
     return stats

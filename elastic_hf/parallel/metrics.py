@@ -11,7 +11,14 @@ class DeploymentMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.instances = Gauge("elastic_hf_instances", "Serving instances by TP degree", ["tp"], registry=r)
+        self.instances = Gauge("elastic_hf_instances", "Serving instances by TP and PP degree", ["tp", "pp"],
+                               registry=r)
+        self._instance_shapes: set[tuple[str, str]] = set()
+        self.bubble_ratio = Gauge("elastic_hf_pipeline_bubble_ratio",
+                                  "Share of the last pipelined step a stage spent waiting (1 - busy / wall)",
+                                  ["instance_workers", "stage"], registry=r)
+        self.activation_bytes = Counter("elastic_hf_pipeline_activation_bytes",
+                                        "Hidden-state bytes sent between pipeline stages", registry=r)
         self.reshapes = Counter("elastic_hf_reshapes", "Reshapes (TP layout changes) by outcome", ["outcome"],
                                 registry=r)
         for outcome in ("committed", "rolled_back"):
@@ -24,9 +31,22 @@ class DeploymentMetrics:
                                       "Largest per-worker extra KV bytes of the last reshape", registry=r)
         self.recoveries = Counter("elastic_hf_worker_replacements", "Dead worker processes replaced", registry=r)
 
-    def set_topology(self, sizes: tuple[int, ...], degrees: tuple[int, ...]) -> None:
-        for d in degrees:
-            self.instances.labels(tp=str(d)).set(sum(1 for s in sizes if s == d))
+    def set_topology(self, topology) -> None:
+        """Instances of the current topology by (tp, pp); shapes that no longer serve read 0."""
+        counts: dict[tuple[str, str], int] = {}
+        for shape in topology.shapes:
+            key = (str(shape.tp), str(shape.pp))
+            counts[key] = counts.get(key, 0) + 1
+        self._instance_shapes |= set(counts)
+        for tp, pp in self._instance_shapes:
+            self.instances.labels(tp=tp, pp=pp).set(counts.get((tp, pp), 0))
+
+    def on_pipeline_step(self, stage_stats: list[dict], workers: tuple[int, ...] = ()) -> None:
+        """Stage timings of one pipelined step (every worker of the instance, stage order)."""
+        name = "-".join(map(str, workers)) if workers else "?"
+        for stats in stage_stats:
+            self.bubble_ratio.labels(instance_workers=name, stage=str(stats["stage"])).set(stats["bubble_ratio"])
+            self.activation_bytes.inc(stats["sent_bytes"])
 
     def on_reshape(self, committed: bool, seconds: float, worker_stats: list[dict]) -> None:
         self.reshapes.labels(outcome="committed" if committed else "rolled_back").inc()

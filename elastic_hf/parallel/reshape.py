@@ -1,5 +1,5 @@
-"""The reshape transaction of a deployment (ReMP §3.9, Gyges §4): change the TP layout of running instances in
-place. `plan_reshape` and `resume_instances` are functions over data (schedulers, allocators, requests);
+"""The reshape transaction of a deployment (ReMP §3.9, Gyges §4): change the TP x PP layout of running instances
+in place. `plan_reshape` and `resume_instances` are functions over data (schedulers, allocators, requests);
 `run_reshape` executes the phases on the workers: quiesce (the caller is between steps) -> plan -> every worker
 prepares, migrates KV, switches weights -> commit point -> resume with merged or split schedulers. A failure before
 the commit point rolls every worker back and the old instances keep serving their requests untouched; a worker lost
@@ -11,13 +11,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from elastic_hf.engine.sequence import Request
 from elastic_hf.kv.block_allocator import BlockAllocator
-from elastic_hf.kv.migration_plan import BlockMove, build_migration_plan
-from elastic_hf.parallel.reshape_plan import ReshapePlan
+from elastic_hf.kv.migration_plan import BlockMove, build_migration_plan, check_plan, plan_payload_bytes
+from elastic_hf.model.loader import parse_dtype
+from elastic_hf.parallel.reshape_plan import ReshapePlan, transition_overflow
 from elastic_hf.parallel.worker_pool import WorkerError
 from elastic_hf.parallel.worker_reshape import RESHAPE_PHASES
-from elastic_hf.topology import Topology, parse_topology
+from elastic_hf.topology import Topology
+from elastic_hf.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,8 @@ class ReshapeReport:
     committed: bool
     worker_stats: list[dict] = field(default_factory=list)
     num_moved_seqs: int = 0
+    kv_plan_bytes: dict = field(default_factory=dict)   # what the plan moves: {"sent": ..., "local": ...}
+    preempted: list[str] = field(default_factory=list)  # requests recomputed: the new layout held too little KV
 
 
 @dataclass(slots=True)
@@ -43,31 +49,62 @@ class RequestPlacement:
     requests: dict[int, list[Request]]
     allocators: dict[int, BlockAllocator]
     taken_on_kept: list[tuple[BlockAllocator, list[int]]]
+    preempted: list[str] = field(default_factory=list)   # request ids that go over without their KV (recompute)
 
     def release_taken(self) -> None:
         for allocator, block_ids in self.taken_on_kept:
             allocator.free(block_ids)
 
 
-def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tuple[int, ...]], int],
-                 num_kv_heads: int, weights_source: str) -> tuple[ReshapePlan, RequestPlacement]:
-    """Instances whose worker set does not change keep their engine, pool and block ids (and may receive requests,
-    e.g. from a worker going to standby). Every request of a changing instance goes to a new instance that shares a
-    worker with it (local heads stay local) or, failing that, to any; least-loaded first, with fresh block ids
-    there. Raises ValueError when a request fits nowhere (nothing has changed then)."""
-    new_instances, old_instances = new.instances(), old.instances()
-    kept = {new_idx: old_instances.index(ws) for new_idx, ws in enumerate(new_instances) if ws in old_instances}
+def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tuple], int],
+                 num_kv_heads: int, num_layers: int, weights_source: str, allow_preemption: bool = False,
+                 footprints: list[dict] | None = None) -> tuple[ReshapePlan, RequestPlacement]:
+    """Instances whose workers and layout (TP x PP, layer split) do not change keep their engine, pool and block
+    ids (and may receive requests, e.g. from a worker going to standby). Every request of a changing instance goes
+    to a new instance that shares a worker with it (local heads stay local) or, failing that, to any;
+    least-loaded first, with fresh block ids there; oldest requests first.
+
+    Two limits, the new instances' KV capacity and every worker's budget during the transaction (`footprints`,
+    Worker.reshape_footprint: until the commit point a worker holds its old live KV, the new KV and the new
+    weights at once). A request that breaks either is preempted by recompute when allow_preemption (ReMP §3.5.5:
+    it goes over without its KV and is prefilled again; youngest first; reported in placement.preempted), else
+    ValueError (nothing has changed then). A request no new instance could ever hold is always a ValueError."""
+    forced: set[str] = set()
+    while True:
+        plan, placement = _place(instances, old, new, capacity, num_kv_heads, num_layers, weights_source,
+                                 allow_preemption, forced)
+        over = transition_overflow(plan, footprints) if footprints is not None else []
+        if not over:
+            return plan, placement
+        placement.release_taken()
+        movable = [r for r in _requests_by_age(instances, plan) if r.request_id not in placement.preempted]
+        if not allow_preemption or not movable:
+            worker, need, budget = over[0]
+            raise ValueError(f"reshape {old} -> {new}: worker {worker} would need {format_bytes(need)} before the "
+                             f"commit point (old live KV, migrated KV and new weights at once) with a budget of "
+                             f"{format_bytes(budget)}")
+        forced.add(movable[-1].request_id)   # the youngest goes over without its KV
+
+
+def _requests_by_age(instances, plan: ReshapePlan) -> list[Request]:
+    changing = [inst for idx, inst in enumerate(instances) if idx not in plan.kept.values()]
+    return sorted((r for inst in changing for r in inst.engine.requests.values()), key=lambda r: r.arrival_time)
+
+
+def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int, num_layers: int,
+           weights_source: str, allow_preemption: bool, forced: set[str]) -> tuple[ReshapePlan, RequestPlacement]:
+    new_instances = new.instances()
+    new_keys, old_keys = new.instance_keys(), old.instance_keys()
+    kept = {new_idx: old_keys.index(key) for new_idx, key in enumerate(new_keys) if key in old_keys}
     changing = [idx for idx in range(len(new_instances)) if idx not in kept]
     allocators = {idx: (instances[kept[idx]].engine.scheduler.allocator if idx in kept
-                        else BlockAllocator(range(capacity(new_instances[idx])))) for idx in range(len(new_instances))}
+                        else BlockAllocator(range(capacity(new_keys[idx])))) for idx in range(len(new_instances))}
     num_total = {idx: allocators[idx].num_total for idx in allocators}
     placement = RequestPlacement({idx: [] for idx in range(len(new_instances))}, allocators, [])
     moves: list[BlockMove] = []
     seq_moves: dict[int, tuple[int, int]] = {}
-    live_old: dict[int, list[int]] = {}
     requests = []
     for old_idx, inst in enumerate(instances):
-        live_old[old_idx] = [b for s in inst.engine.scheduler.running for b in s.block_ids]
         if old_idx not in kept.values():
             requests.extend((old_idx, r) for r in inst.engine.requests.values())
     requests.sort(key=lambda item: item[1].arrival_time)
@@ -77,21 +114,31 @@ def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tu
             need = sum(len(s.block_ids) for s in request.seqs)
             free = [idx for idx in allocators if allocators[idx].num_free >= need]
             local = [idx for idx in free if old_workers & set(new_instances[idx])]
-            candidates = local or free
+            candidates = [] if request.request_id in forced else (local or free)
+            preempt = not candidates and allow_preemption
+            if preempt:
+                candidates = [idx for idx in allocators if num_total[idx] >= need]
             if not candidates:
                 raise ValueError(f"reshape {old} -> {new}: request {request.request_id!r} holds {need} KV blocks and "
                                  f"no new instance has that many free "
-                                 f"({ {i: a.num_free for i, a in allocators.items()} })")
+                                 f"({ {i: a.num_free for i, a in allocators.items()} } free of {num_total})")
             dst = min(candidates, key=lambda idx: (allocators[idx].num_used / max(num_total[idx], 1), idx))
             placement.requests[dst].append(request)
+            if preempt:
+                placement.preempted.append(request.request_id)
             for seq in request.seqs:
                 seq_moves[seq.seq_id] = (old_idx, dst)
-                if seq.block_ids:
+                if seq.block_ids and not preempt:
                     new_blocks = allocators[dst].allocate(len(seq.block_ids))
                     if dst in kept:
                         placement.taken_on_kept.append((allocators[dst], new_blocks))
                     moves.append(BlockMove(old_idx, dst, tuple(seq.block_ids), tuple(new_blocks)))
-        transfers = build_migration_plan(moves, old, new, num_kv_heads)
+        # The old pools keep the live blocks of the requests that move until the commit point (rollback needs
+        # them); a preempted request's blocks are given back at once.
+        live_old = {old_idx: [b for s in inst.engine.scheduler.running if s.request_id not in placement.preempted
+                              for b in s.block_ids] for old_idx, inst in enumerate(instances)}
+        transfers = build_migration_plan(moves, old, new, num_kv_heads, num_layers)
+        check_plan(moves, transfers, old, new, num_kv_heads, num_layers)   # ReMP §3.5.5, before anything moves
         plan = ReshapePlan(old, new, moves, transfers, live_old, {idx: allocators[idx].num_used for idx in changing},
                            num_total, seq_moves, kept, weights_source)
     except BaseException:
@@ -102,15 +149,18 @@ def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tu
 
 def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: RequestPlacement, make_instance):
     """The instances after the commit point: kept ones keep their engine and adopt the requests moved to them; the
-    others get a new engine over their new allocator. make_instance(workers, allocator) builds one. Returns (new
+    others get a new engine over their new allocator. make_instance((workers, shape), allocator) builds one. Returns (new
     instances, prompt tokens computed by the retired engines)."""
     new_block_ids = {(m.src_instance, m.src_blocks): list(m.dst_blocks) for m in plan.moves}
     retired_prompt_tokens = sum(inst.engine.num_computed_prompt_tokens for idx, inst in enumerate(instances)
                                 if idx not in plan.kept.values())
     out = []
-    for idx, workers in enumerate(new.instances()):
-        instance = instances[plan.kept[idx]] if idx in plan.kept else make_instance(workers, placement.allocators[idx])
+    for idx, key in enumerate(new.instance_keys()):
+        instance = instances[plan.kept[idx]] if idx in plan.kept else make_instance(key, placement.allocators[idx])
         for request in placement.requests[idx]:
+            if request.request_id in placement.preempted:
+                instance.engine.adopt(request, {}, recompute=True)
+                continue
             blocks = {seq.seq_id: new_block_ids[(plan.seq_moves[seq.seq_id][0], tuple(seq.block_ids))]
                       for seq in request.seqs if seq.block_ids}
             instance.engine.adopt(request, blocks)
@@ -118,16 +168,14 @@ def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: Req
     return out, retired_prompt_tokens
 
 
-def run_reshape(deployment, target, weights_source: str | None = None) -> ReshapeReport:
+def run_reshape(deployment, target, weights_source: str | None = None,
+                allow_preemption: bool = False) -> ReshapeReport:
     """Change the deployment's topology in place, e.g. [1, 1] -> [2] -> [1, 1]. Call between steps (the
     deployment's driver thread), which is the quiesce point. Raises ValueError for a topology that is not a
     candidate or a plan that does not fit, ReshapeAborted when a worker fails before the commit point; the old
     topology is then still serving."""
-    new = parse_topology(target)
+    new = deployment.check_topology(target)
     old = deployment.topology
-    if new not in deployment.candidates:
-        raise ValueError(f"topology {new} is not a candidate for {deployment.config.num_workers} workers: "
-                         f"{[str(t) for t in deployment.candidates]}")
     start = time.perf_counter()
     if new == old:
         return ReshapeReport(str(old), str(new), 0.0, True)
@@ -135,10 +183,13 @@ def run_reshape(deployment, target, weights_source: str | None = None) -> Reshap
     # on CPU the shared host store is a plain memcpy and beats a loopback transfer.
     weights_source = weights_source or ("peers" if deployment.config.device.startswith("cuda") else "host")
     deployment.restore_full_precision(changing_workers(old, new))
-    plan, placement = plan_reshape(deployment.instances, old, new, deployment.capacity,
-                                   deployment.num_kv_heads, weights_source)
+    if not (old.is_tensor_only and new.is_tensor_only):
+        weights_source = "host"   # the peer gather plan covers TP layouts; layer ranges come from the host store
     pool = deployment.pool
     workers = list(range(deployment.config.num_workers))
+    footprints = pool.call_many(workers, "reshape_footprint", old, new)
+    plan, placement = plan_reshape(deployment.instances, old, new, deployment.capacity, deployment.num_kv_heads,
+                                   deployment.num_layers, weights_source, allow_preemption, footprints)
     try:
         stats = pool.call_many(workers, RESHAPE_PHASES[0], plan)
         for phase in RESHAPE_PHASES[1:]:
@@ -152,6 +203,11 @@ def run_reshape(deployment, target, weights_source: str | None = None) -> Reshap
                 pool.call(w, "reshape.abort")
             except WorkerError as rollback_error:
                 log.error("rollback on worker %d failed: %s", w, rollback_error)
+        # Requests preempted by the plan gave their old blocks back at prepare: they are recomputed here too.
+        for inst in deployment.instances:
+            for request_id in placement.preempted:
+                if request_id in inst.engine.requests:
+                    inst.engine.preempt_request(request_id)
         report = ReshapeReport(str(old), str(new), time.perf_counter() - start, False)
         deployment.on_reshape(report)
         deployment.recover()  # a worker that died before the commit point is replaced under the old topology
@@ -167,12 +223,18 @@ def run_reshape(deployment, target, weights_source: str | None = None) -> Reshap
     deployment.resume(new, plan, placement)
     if lost:
         deployment.recover()  # after the commit point: replace the dead worker under the new topology
-    report = ReshapeReport(str(old), str(new), time.perf_counter() - start, True, stats, len(plan.seq_moves))
+    itemsize = torch.empty((), dtype=parse_dtype(deployment.config.dtype)).element_size()
+    report = ReshapeReport(str(old), str(new), time.perf_counter() - start, True, stats, len(plan.seq_moves),
+                           plan_payload_bytes(plan.transfers, deployment.config.block_size, deployment.head_dim,
+                                              itemsize), list(placement.preempted))
+    if placement.preempted:
+        log.warning("reshape %s -> %s preempted %d request(s) by recompute (the new layout holds less KV): %s", old,
+                    new, len(placement.preempted), placement.preempted)
     deployment.on_reshape(report)
     return report
 
 
 def changing_workers(old: Topology, new: Topology) -> list[int]:
-    """Workers whose instance is not the same before and after."""
-    same = set(old.instances()) & set(new.instances())
-    return sorted({w for ws in old.instances() + new.instances() if ws not in same for w in ws})
+    """Workers whose instance (workers and layout) is not the same before and after."""
+    same = set(old.instance_keys()) & set(new.instance_keys())
+    return sorted({w for key in old.instance_keys() + new.instance_keys() if key not in same for w in key[0]})

@@ -39,3 +39,20 @@ class ReshapePlan:
             if n > self.new_num_blocks.get(idx, 0):
                 raise ValueError(f"new instance {idx} needs {n} live KV blocks but holds "
                                  f"{self.new_num_blocks.get(idx, 0)}")
+
+
+def transition_overflow(plan: ReshapePlan, footprints: list[dict]) -> list[tuple[int, int, int]]:
+    """(worker, bytes needed, budget) of every changing worker whose budget the transaction would exceed before the
+    commit point: the larger of its weights while the KV migrates and after the weights phase, its old pool's live
+    blocks, its new pool's blocks and the morph headroom. footprints[w]: Worker.reshape_footprint(old, new)."""
+    over = []
+    for worker, fp in enumerate(footprints):
+        old_role, new_role = plan.old.role(worker), plan.new.role(worker)
+        if plan.is_kept(worker) or (old_role is None and new_role is None):
+            continue
+        old_kv = len(plan.live_old_blocks[old_role.instance]) * fp["old_block_bytes"] if old_role else 0
+        new_kv = plan.num_live_new_blocks[new_role.instance] * fp["new_block_bytes"] if new_role else 0
+        need = max(fp["weights_mid_bytes"], fp["weights_after_bytes"]) + old_kv + new_kv + fp["headroom_bytes"]
+        if need > fp["budget_bytes"]:
+            over.append((worker, need, fp["budget_bytes"]))
+    return over

@@ -31,7 +31,9 @@ class ShardedWeights:
 
     def __init__(self, hf_model: nn.Module, adapter, spec: ModelShardSpec, budget: MemoryBudget,
                  device: torch.device, store: SharedWeightStore, tp: int | None, rank: int | None, group=None,
-                 slot_bytes: list[dict[str, int]] | None = None):
+                 slot_bytes: list[dict[str, int]] | None = None, layers: tuple[int, int] | None = None):
+        """layers: [start, end) decoder layers this worker holds (a pipeline stage); None: all. The arena reserves
+        room for every layer; only held layers' chunks are committed."""
         self.adapter = adapter
         self.spec = spec
         self.store = store
@@ -76,7 +78,8 @@ class ShardedWeights:
                     bias = old.bias.data if old.bias is not None else None
                     new = ShardableLinear(lay, mode, self.arena, offset, old.in_features, old.out_features,
                                           old.weight.dtype, bias)
-                    if tp is not None:  # None: a worker starting in standby holds no shard
+                    held = layers is None or layers[0] <= layer_idx < layers[1]
+                    if tp is not None and held:  # None: a worker starting in standby holds no shard
                         new.load(store.get(layer_idx, kind), lay.shard_chunks(tp, rank))  # the host store
                         new.set_shard(tp, rank, group)
                     parent_name, _, attr = names[kind].rpartition(".")
@@ -85,6 +88,7 @@ class ShardedWeights:
                     offset += lay.nbytes
                 self.linears.append(built)
         self.tp, self.rank = tp, rank
+        self.layer_range = (0, self.num_layers) if layers is None else tuple(layers)
 
     # ------------------------------------------------------------------ precision morphing (TP1 only)
     def fp_region(self, layer: int) -> ArenaRange:
@@ -99,13 +103,16 @@ class ShardedWeights:
     def committed_bytes(self) -> int:
         return self.arena.committed_bytes
 
-    def shard_bytes(self, tp: int, rank: int) -> int:
-        """Committed bytes of this worker's weights as shard (tp, rank)."""
+    def shard_bytes(self, tp: int, rank: int, layers: tuple[int, int] | None = None,
+                    kinds: tuple[str, ...] = SHARDED_KINDS, shared: bool = True) -> int:
+        """Committed bytes of this worker's weights as shard (tp, rank) of `layers` ([start, end); None: all):
+        the replicated part (unless shared=False) and the `kinds` of every held layer."""
         per_layer = 0
-        for kind in SHARDED_KINDS:
+        for kind in kinds:
             lay = self.linears[0][kind].layout
             per_layer += sum(lay.chunks[i].nbytes for i in lay.shard_chunks(tp, rank))
-        return self.shared_bytes + self.num_layers * per_layer
+        num_layers = self.num_layers if layers is None else max(layers[1] - layers[0], 0)
+        return (self.shared_bytes if shared else 0) + num_layers * per_layer
 
     # ------------------------------------------------------------------ transform
     def switch(self, kinds: tuple[str, ...], tp: int, rank: int, group=None,
@@ -124,6 +131,27 @@ class ShardedWeights:
                 lin.set_shard(tp, rank, group)
                 released += lin.release(sorted(lin.committed - set(own)))
         return loaded, released
+
+    def release_layers(self, layer_ids) -> int:
+        """Give back every chunk of the layers this worker no longer holds (a pipeline stage's foreign layers);
+        their linears are deactivated. Returns the bytes released."""
+        freed = 0
+        for layer_idx in layer_ids:
+            for lin in self.linears[layer_idx].values():
+                lin.deactivate()
+                freed += lin.release(sorted(lin.committed))
+        return freed
+
+    def set_role(self, tp: int, rank: int, group, layers: tuple[int, int]) -> tuple[int, int]:
+        """Hold shard (tp, rank) of exactly the layers [start, end): release the others first (their pages can take
+        what is loaded), then load and switch the held ones from the host store. Returns (bytes loaded, bytes
+        released)."""
+        start, end = layers
+        released = self.release_layers(i for i in range(self.num_layers) if not start <= i < end)
+        loaded, released_in = self.switch(ATTENTION_KINDS + MLP_KINDS, tp, rank, group,
+                                          list(reversed(range(start, end))))
+        self.tp, self.rank, self.layer_range = tp, rank, (start, end)
+        return loaded, released + released_in
 
     def release_all(self) -> int:
         """Standby: no active shard and every shard chunk given back (embeddings, norms and LM head stay)."""
@@ -160,7 +188,8 @@ def weight_gather_plan(old: Topology, new: Topology, layouts: dict[str, PaddedLa
     for w in workers:
         if w in kept or new.role(w) is None:
             continue
-        _, tp, rank = new.role(w)
+        role = new.role(w)
+        tp, rank = role.tp, role.rank
         old_peers = set(old.instances()[old.role(w)[0]]) if old.role(w) is not None else set()
         for kind in SHARDED_KINDS:
             for chunk in layouts[kind].shard_chunks(tp, rank):

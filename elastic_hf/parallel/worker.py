@@ -18,7 +18,9 @@ from elastic_hf.memory import default_page_size, process_rss_bytes
 from elastic_hf.model.instance import LoadedModel, build_instance, load_model, worker_device
 from elastic_hf.model.weight_placement import PlacedWeights
 from elastic_hf.morph.executor import MorphExecutor, prepare_layer_store
+from elastic_hf.model.stage import StageSpec
 from elastic_hf.parallel.groups import ProcessGroups
+from elastic_hf.parallel.pipeline import StageLinks, run_pipeline_step
 from elastic_hf.parallel.shard_transform import ShardedWeights
 from elastic_hf.parallel.weight_store import SharedWeightStore
 from elastic_hf.parallel.worker_reshape import ReshapeParticipant
@@ -79,6 +81,9 @@ class Worker:
             self.morph = MorphExecutor(layer_store, loaded.layers, self.instance.weights, self.instance.budget,
                                        headroom, self.device, lambda: self.instance.pool)
         self.reshape = ReshapeParticipant(self) if self.is_sharded else None
+        self.links: StageLinks | None = None
+        self.last_pipeline_stats: dict | None = None
+        self.apply_stage()
 
     # ------------------------------------------------------------------ assembly helpers
     def _join_world(self, master_port: int) -> None:
@@ -95,14 +100,36 @@ class Worker:
     def _sharded_placer(self, loaded: LoadedModel, store: SharedWeightStore, slot_bytes):
         role = self.groups.for_topology(self.topology, self.me)
         group, tp, rank = role if role is not None else (None, None, None)  # standby: no shard loaded
+        layers = self.layer_range()
 
         def place(budget, page_size):
             self.spec = ModelShardSpec(loaded.hf_config.hidden_size, loaded.hf_config.intermediate_size,
                                        loaded.num_heads, loaded.num_kv_heads, loaded.head_dim,
                                        torch.empty((), dtype=loaded.dtype).element_size(), page_size, self.degrees)
             return ShardedWeights(loaded.hf_model, loaded.adapter, self.spec, budget, self.device, store, tp, rank,
-                                  group, slot_bytes)
+                                  group, slot_bytes, layers)
         return place
+
+    def layer_range(self, topology: Topology | None = None) -> tuple[int, int] | None:
+        """[start, end) decoder layers this worker holds in `topology` (default: the current one); None in
+        standby."""
+        return (topology or self.topology).layer_range(self.me, self.loaded.num_layers)
+
+    def apply_stage(self) -> None:
+        """Run the layers of this worker's pipeline stage in the current topology (all of them outside a
+        pipeline), with links to the same TP rank of the neighbouring stages."""
+        role = self.topology.role(self.me)
+        layers = self.layer_range() or (0, self.loaded.num_layers)
+        pp = role.pp if role is not None else 1
+        stage = role.stage if role is not None else 0
+        if pp > 1 or self.instance.runner.stage is not None:
+            self.instance.runner.set_stage(StageSpec(*layers, stage == 0, stage == pp - 1), self.loaded.layers)
+        self.links = None
+        if pp > 1:
+            first = self.topology.instances()[role.instance][0]
+            peer = lambda s: first + s * role.tp + role.rank  # noqa: E731 - same TP rank of stage s
+            self.links = StageLinks(peer(stage - 1) if stage > 0 else None, peer(stage + 1) if stage < pp - 1 else None,
+                                    self.loaded.hf_config.hidden_size, self.loaded.dtype, self.device)
 
     # ------------------------------------------------------------------ views for the control plane and tests
     @property
@@ -138,8 +165,34 @@ class Worker:
         """Committed weight bytes of this worker as shard (tp, rank)."""
         return self.weights.shard_bytes(tp, rank)
 
-    def kv_capacity(self, tp: int, rank: int) -> int:
-        return self.instance.kv_capacity(tp, rank)
+    def kv_capacity(self, tp: int, rank: int, layers: tuple[int, int] | None = None) -> int:
+        """KV blocks this worker could hold as shard (tp, rank) of `layers` (None: all)."""
+        return self.instance.kv_capacity(tp, rank, None if layers is None else tuple(layers))
+
+    def reshape_footprint(self, old: Topology, new: Topology) -> dict:
+        """What a reshape old -> new would commit on this worker before its commit point (the control plane adds
+        the KV blocks): weights while the KV migrates (layers kept, MLP already at the new shard when TP grows)
+        and after the weights phase (the new shard; a worker going to standby keeps its shard until the commit),
+        and the KV block bytes of the old and new roles (0 in standby)."""
+        from elastic_hf.parallel.shard_transform import ATTENTION_KINDS, MLP_KINDS
+
+        o, n = old.role(self.me), new.role(self.me)
+        old_layers, new_layers = self.layer_range(old), self.layer_range(new)
+        weights = self.weights
+        if o is None:
+            mid = weights.shared_bytes
+        else:
+            both = (max(old_layers[0], new_layers[0]), min(old_layers[1], new_layers[1])) if n is not None \
+                else old_layers
+            mlp_tp, mlp_rank = (n.tp, n.rank) if n is not None and n.tp > o.tp else (o.tp, o.rank)
+            mid = weights.shard_bytes(o.tp, o.rank, both, ATTENTION_KINDS) \
+                + weights.shard_bytes(mlp_tp, mlp_rank, both, MLP_KINDS, shared=False)
+        after = weights.shard_bytes(n.tp, n.rank, new_layers) if n is not None else weights.committed_bytes
+        block = lambda role, layers: self.instance.kv_layout(role.tp, role.rank, layers).block_bytes  # noqa: E731
+        return {"budget_bytes": self.budget.total_bytes, "headroom_bytes": self.instance.headroom_bytes,
+                "weights_mid_bytes": mid, "weights_after_bytes": after,
+                "old_block_bytes": block(o, old_layers) if o is not None else 0,
+                "new_block_bytes": block(n, new_layers) if n is not None else 0}
 
     def init_kv(self, num_blocks: int) -> int:
         """Create this worker's KV pool for its role in the current topology with blocks 0..num_blocks-1 attached
@@ -149,7 +202,7 @@ class Worker:
             return 0
         if self.pool is not None:
             raise RuntimeError(f"worker {self.me} already has a KV pool of {self.pool.num_blocks} blocks")
-        self.instance.set_pool(self.instance.new_pool(role[1], role[2], num_blocks))
+        self.instance.set_pool(self.instance.new_pool(role.tp, role.rank, num_blocks, self.layer_range()))
         return self.pool.layout.block_bytes
 
     def execute(self, inputs):
@@ -157,7 +210,19 @@ class Worker:
         logits [num_sampling_seqs, vocab], the others None."""
         logits = self.instance.runner.execute(inputs)
         role = self.topology.role(self.me)
-        return logits if role is not None and role[2] == 0 else None
+        return logits if role is not None and role.rank == 0 else None
+
+    def execute_pipeline(self, micro_batches):
+        """One step of this worker's pipeline stage over the step's micro-batches (parallel/pipeline.py). The last
+        stage's rank 0 returns the logits of all of them in order, the others None; each returns its stage
+        timings (busy, wall, bubble ratio) alongside."""
+        if self.links is None:
+            raise RuntimeError(f"worker {self.me} is not a pipeline stage in topology {self.topology}")
+        role = self.topology.role(self.me)
+        logits, stats = run_pipeline_step(self.instance.runner, self.links, micro_batches)
+        self.last_pipeline_stats = {"stage": role.stage, "busy_s": stats.busy_s, "wall_s": stats.wall_s,
+                                    "bubble_ratio": stats.bubble_ratio, "sent_bytes": stats.sent_bytes}
+        return (logits if role.is_last_stage and role.rank == 0 else None), self.last_pipeline_stats
 
     def morph_info(self):
         if self.morph is None:
@@ -173,7 +238,7 @@ class Worker:
                   "kv_block_bytes": pool.layout.block_bytes if pool is not None else 0,
                   "kv_block_size": self.instance.block_size, "headroom_bytes": self.instance.headroom_bytes,
                   "ledger": budget.report(), "rss_bytes": process_rss_bytes(), "rss_anon_bytes": rss_anon_bytes(),
-                  "topology": str(self.topology)}
+                  "topology": str(self.topology), "layers": self.layer_range()}
         if self.morph is not None:
             report["layer_store"] = self.morph.store.report()
         return report
@@ -189,6 +254,7 @@ class Worker:
         role = self.groups.for_topology(self.topology, self.me)
         if role is not None:
             self.weights.set_group(role[0])
+        self.apply_stage()
 
     def shutdown(self) -> None:
         if self.is_sharded:

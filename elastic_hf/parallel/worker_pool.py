@@ -74,12 +74,18 @@ def _free_port() -> int:
 
 def _encode(result):
     # Logits cross the pipe as numpy: pickling a torch tensor through a spawn-context pipe would move it to shared
-    # memory first, a much slower path for a per-step result.
-    return ("tensor", result.cpu().numpy()) if isinstance(result, torch.Tensor) else ("value", result)
+    # memory first, a much slower path for a per-step result. A tuple (logits, stats) is encoded item by item.
+    if isinstance(result, torch.Tensor):
+        return ("tensor", result.cpu().numpy())
+    if isinstance(result, tuple):
+        return ("tuple", tuple(_encode(item) for item in result))
+    return ("value", result)
 
 
 def _decode(payload):
     kind, value = payload
+    if kind == "tuple":
+        return tuple(_decode(item) for item in value)
     return torch.from_numpy(value) if kind == "tensor" else value
 
 

@@ -1,5 +1,6 @@
 """A worker's part of a reshape transaction (Gyges §4, ReMP §3.9): three phases before the commit point, then commit
-or abort. The control plane runs each phase on every worker and starts the next only when all succeeded, so no
+or abort. A worker's role is a TP shard (tp, rank) of a layer range (its pipeline stage; all layers outside a
+pipeline): layers it stops holding are released first, layers it starts holding are loaded from the host store. The control plane runs each phase on every worker and starts the next only when all succeeded, so no
 worker waits in a transfer on a peer that already failed. Reached as "reshape.<phase>" through the worker's RPC."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from elastic_hf.kv.migration_plan import head_range
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.parallel.kv_migration import migrate_kv
 from elastic_hf.parallel.reshape_plan import ReshapePlan
-from elastic_hf.parallel.shard_transform import ATTENTION_KINDS, MLP_KINDS, gather_weights, weight_gather_plan
+from elastic_hf.parallel.shard_transform import MLP_KINDS, gather_weights, weight_gather_plan
 
 RESHAPE_STAGES = ("weights_first", "kv_trim", "kv_migrate", "weights_last", "prepared")  # before the commit point
 FAULT_STAGES = RESHAPE_STAGES + ("committed",)
@@ -61,15 +62,22 @@ class ReshapeParticipant:
         old = worker.groups.for_topology(plan.old, self._me)
         new = worker.groups.for_topology(plan.new, self._me)
         kept = plan.is_kept(self._me) or (old_role is None and new_role is None)
+        old_layers, new_layers = worker.layer_range(plan.old), worker.layer_range(plan.new)
         budget = worker.budget
         txn = {"plan": plan, "old": old, "new": new, "trimmed": [], "new_pool": None, "kept": kept,
+               "old_layers": old_layers, "new_layers": new_layers,
                "stats": {"weights_bytes_before": budget.used_bytes("weights"),
                          "kv_bytes_before": budget.used_bytes("kv"), "kept": kept}}
         self._txn = txn
         if kept:  # same instance before and after: shard, pool and groups stay; it may receive moved KV
             return txn["stats"]
         if old is not None and new is not None and new[1] > old[1]:
-            txn["stats"]["weights_first"] = worker.weights.switch(MLP_KINDS, new[1], new[2], new[0])
+            layer_ids = [i for i in reversed(range(*old_layers)) if new_layers[0] <= i < new_layers[1]]
+            txn["stats"]["weights_first"] = worker.weights.switch(MLP_KINDS, new[1], new[2], new[0], layer_ids)
+        if old is not None and new is not None and old_layers != new_layers:
+            # Layers this worker stops holding go first: their pages can take the KV and layers it receives.
+            dropped = [i for i in range(*old_layers) if not new_layers[0] <= i < new_layers[1]]
+            txn["stats"]["layers_released_bytes"] = worker.weights.release_layers(dropped)
         self._check_fault("weights_first")
         pool = worker.pool
         if pool is not None:
@@ -102,7 +110,8 @@ class ReshapeParticipant:
         kv_before = worker.budget.used_bytes("kv")
         new_pool = None
         if new is not None:
-            new_pool = worker.instance.new_pool(new[1], new[2], plan.num_live_new_blocks[plan.new.role(self._me)[0]])
+            new_pool = worker.instance.new_pool(new[1], new[2], plan.num_live_new_blocks[plan.new.role(self._me)[0]],
+                                                txn["new_layers"])
             txn["new_pool"] = new_pool
         old_h0 = head_range(num_kv_heads, old[1], old[2])[0] if old is not None else 0
         new_h0 = head_range(num_kv_heads, new[1], new[2])[0] if new is not None else 0
@@ -129,7 +138,7 @@ class ReshapeParticipant:
         if txn["kept"]:
             return stats
         if new is not None:
-            stats["weights_last"] = worker.weights.switch(ATTENTION_KINDS + MLP_KINDS, new[1], new[2], new[0])
+            stats["weights_last"] = worker.weights.set_role(new[1], new[2], new[0], txn["new_layers"])
         self._check_fault("weights_last")
         stats["weights_bytes_after"] = worker.budget.used_bytes("weights")
         self._check_fault("prepared")
@@ -153,6 +162,7 @@ class ReshapeParticipant:
             elif plan.new_num_blocks[new_role[0]] > new_pool.num_blocks:
                 new_pool.attach_blocks(plan.new_num_blocks[new_role[0]] - new_pool.num_blocks)
         worker.topology = plan.new
+        worker.apply_stage()
         self._txn = None
         self._check_fault("committed")
         return worker.memory_report()
@@ -173,7 +183,7 @@ class ReshapeParticipant:
             worker.weights.release_all()  # back to standby
         else:
             old_group, old_tp, old_rank = txn["old"]
-            worker.weights.switch(ATTENTION_KINDS + MLP_KINDS, old_tp, old_rank, old_group)
+            worker.weights.set_role(old_tp, old_rank, old_group, txn["old_layers"])
         pool = worker.pool
         if pool is not None:
             block_bytes = pool.layout.block_bytes

@@ -1,10 +1,13 @@
-"""Admin routes of reshaping (changing the tensor-parallel layout of a running deployment), behind the admin key:
+"""Admin routes of reshaping (changing the TP x PP layout of a running deployment), behind the admin key:
 
+    GET  /admin/topology  -> the layout now: every instance's workers, TP, PP, stages with their layer ranges, KV
     GET  /admin/reshape   -> current topology, candidate topologies, past reshapes
-    POST /admin/reshape   {"topology": [2]}  -> runs the reshape as a transaction on the engine thread
+    POST /admin/reshape   {"topology": [2]} or {"topology": ["1x2"]} or {"topology": "1x2:16/14,1"}
+                          -> runs the reshape as a transaction on the engine thread
 
-A rejected topology is a 400 naming the candidates; a reshape that rolled back before its commit point is a 409
-(the old topology keeps serving). A single-worker server has one candidate, [1]."""
+Topologies travel as lists whose items are a TP degree (int) or "TPxPP[:layers/per/stage]" (str). A rejected
+topology is a 400 naming the candidates; a reshape that rolled back before its commit point is a 409 (the old
+topology keeps serving). A single-worker server has one candidate, [1]."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -18,7 +21,7 @@ from elastic_hf.serving.errors import error_response
 
 class ReshapeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    topology: list[int] = Field(min_length=1, max_length=8)
+    topology: list[int | str] | str = Field(min_length=1, max_length=64)
     weights_source: str | None = None  # "host" (shared weight store) or "peers"; default: the plan's choice
 
 
@@ -29,13 +32,37 @@ def admin_reshape_router(model, async_engine, admin_key: str | None) -> APIRoute
     router = APIRouter()
     deployment = model.deployment
 
+    def as_json(topology) -> list:
+        return [s if isinstance(s, int) else str(s) for s in topology.sizes]
+
+    @router.get("/admin/topology")
+    async def get_topology(request: Request):
+        denied = check_admin(request, admin_key)
+        if denied is not None:
+            return denied
+        topology = deployment.topology
+        instances = []
+        for idx, inst in enumerate(deployment.instances):
+            shape = inst.shape
+            bounds = shape.stage_bounds(deployment.num_layers)
+            allocator = inst.engine.scheduler.allocator
+            instances.append({"index": idx, "workers": list(inst.workers), "tp": shape.tp, "pp": shape.pp,
+                              "stages": [{"workers": list(ws), "layers": list(bounds[s])}
+                                         for s, ws in enumerate(topology.stages(idx))],
+                              "kv_blocks_total": allocator.num_total, "kv_blocks_used": allocator.num_used,
+                              "num_requests": len(inst.engine.requests)})
+        standby = [w for w in range(deployment.config.num_workers) if topology.role(w) is None]
+        return {"topology": as_json(topology), "text": str(topology), "num_layers": deployment.num_layers,
+                "instances": instances, "standby_workers": standby,
+                "candidates": [str(t) for t in deployment.candidates]}
+
     @router.get("/admin/reshape")
     async def get_reshape(request: Request):
         denied = check_admin(request, admin_key)
         if denied is not None:
             return denied
-        return {"topology": list(deployment.topology.sizes),
-                "candidates": [list(t.sizes) for t in deployment.candidates],
+        return {"topology": as_json(deployment.topology),
+                "candidates": [as_json(t) for t in deployment.candidates],
                 "tp_policy": deployment.config.tp_policy,
                 "reshapes": [{k: v for k, v in asdict(r).items() if k != "worker_stats"} for r in deployment.reshapes]}
 

@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "can change tensor-parallel degree at runtime (POST /admin/reshape)")
     parser.add_argument("--tp", type=int, default=1,
                         help="initial tensor-parallel degree of each instance (workers / tp instances)")
+    parser.add_argument("--topology", default=None,
+                        help="initial layout instead of --tp: instances over consecutive workers, each a TP degree or "
+                             "TPxPP with optional layers per stage, e.g. '1x2,1' or '1x2:16/14' (see /admin/topology)")
     parser.add_argument("--tp-policy", default="static", choices=("static", "elastic"),
                         help="elastic: merge instances x2 when a request needs more KV than one holds, split "
                              "back when no long request remains and load < 50%% (Gyges); static: never reshape "
@@ -77,12 +80,15 @@ def engine_config(args: argparse.Namespace):
     """The one EngineConfig of the server from its flags (unset flags keep the config's defaults)."""
     from elastic_hf.config import EngineConfig, MorphConfig
 
+    if args.topology is not None and args.tp != 1:
+        raise ValueError("give either --tp or --topology, not both")
     if args.tp < 1 or args.workers % args.tp:
         raise ValueError(f"--tp must divide --workers: {args.tp} does not divide {args.workers}")
+    topology = args.topology if args.topology is not None else (args.tp,) * (args.workers // args.tp)
     options = {name: getattr(args, name) for name in ("dtype", "max_num_seqs", "max_num_batched_tokens",
                                                        "memory_budget", "kv_cache_memory", "max_model_len", "router")
                if getattr(args, name) is not None}
-    return EngineConfig(model=args.model, num_workers=args.workers, topology=(args.tp,) * (args.workers // args.tp),
+    return EngineConfig(model=args.model, num_workers=args.workers, topology=topology,
                         tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)
 
 

@@ -89,7 +89,7 @@ def test_decoding_across_scale_up_and_down_is_exact_without_recompute(setup):
     # Exactly one prefill per prompt token: no request was recomputed across the two reshapes.
     assert stats["num_computed_prompt_tokens"] - prompt_tokens_before == sum(len(p) for p in prompts)
     text = dep.metrics.render().decode()
-    assert 'elastic_hf_instances{tp="1"} 2.0' in text and "elastic_hf_reshape_seconds_count" in text
+    assert 'elastic_hf_instances{pp="1",tp="1"} 2.0' in text and "elastic_hf_reshape_seconds_count" in text
 
 
 @pytest.mark.parametrize("stage", RESHAPE_STAGES)

@@ -88,3 +88,25 @@ def test_serve_two_workers_morphs_under_load_reshapes_and_answers_exactly(deploy
 def test_morph_route_rejects_an_unknown_instance(deployment_server):
     response = _morph_state(deployment_server, 5)
     assert response.status_code == 404 and "instances 0..1" in response.json()["error"]["message"]
+
+
+def test_pipeline_reshape_over_http_answers_exactly(deployment_server):
+    """POST /admin/reshape to a two-stage pipeline (and an uneven split), GET /admin/topology shows the stages,
+    bad topologies are 400s naming what is allowed, and the answers stay the same."""
+    base = deployment_server
+    before = _answers(base)
+    for bad, message in ((["1x2:3/0"], "no empty stage"), (["1x4"], "not a candidate"), ("2y2", "TPxPP"),
+                         (["1x2:1/1"], "covers 2 layers")):
+        response = httpx.post(base + "/admin/reshape", json={"topology": bad}, headers=ADMIN, timeout=30)
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+    piped = httpx.post(base + "/admin/reshape", json={"topology": "1x2:1/2"}, headers=ADMIN, timeout=120)
+    assert piped.status_code == 200 and piped.json()["new"] == "[1x2:1/2]", piped.text
+    layout = httpx.get(base + "/admin/topology", headers=ADMIN, timeout=10).json()
+    assert layout["topology"] == ["1x2:1/2"] and layout["instances"][0]["pp"] == 2
+    assert [s["layers"] for s in layout["instances"][0]["stages"]] == [[0, 1], [1, 3]]
+    assert _answers(base) == before
+    assert httpx.post(base + "/admin/reshape", json={"topology": [1, 1]}, headers=ADMIN,
+                      timeout=120).status_code == 200
+    assert httpx.get(base + "/admin/topology", headers=ADMIN, timeout=10).json()["text"] == "[1,1]"
+    metrics = httpx.get(base + "/metrics", timeout=10).text
+    assert 'elastic_hf_instances{pp="2",tp="1"} 0.0' in metrics and 'elastic_hf_instances{pp="1",tp="1"} 2.0' in metrics
