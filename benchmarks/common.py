@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -35,3 +36,40 @@ def wikitext_prompts(tokenizer, num_prompts: int, min_tokens: int, max_tokens: i
 def machine_description() -> str:
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads)")
+
+
+def add_reshape_workload_args(parser, *, max_new_tokens: int) -> None:
+    """The mid-decode workload flags the reshape benchmarks share."""
+    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-requests", type=int, default=8)
+    parser.add_argument("--min-prompt", type=int, default=64)
+    parser.add_argument("--max-prompt", type=int, default=192)
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--kv-mib", type=int, default=192, help="KV MiB per worker as a TP1 instance")
+
+
+def running_state(dep) -> list[list[int]]:
+    """Token ids (prompt + generated) of every unfinished sequence of a deployment."""
+    return [list(s.token_ids) for inst in dep.instances for r in inst.engine.requests.values() for s in r.seqs]
+
+
+def restart_and_reprefill(model_path, state: list[list[int]], **options) -> tuple[float, int]:
+    """The restart-based reconfiguration a reshape replaces: start a 2-worker deployment with `options` (new
+    processes, checkpoint reload, groups) and re-prefill every running sequence (prompt + generated tokens) to the
+    same state. Returns (seconds, prompt tokens computed)."""
+    from elastic_hf import ElasticModel
+    from elastic_hf.engine.sampling_params import SamplingParams
+
+    started = time.perf_counter()
+    model = ElasticModel.from_pretrained(model_path, workers=2, **options)
+    try:
+        dep = model.deployment
+        resume = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        pending = {dep.add_request(None, tokens, resume) for tokens in state}
+        while pending:
+            for out in dep.step():
+                if out.finished:
+                    pending.discard(out.request_id)
+        return time.perf_counter() - started, dep.stats()["num_computed_prompt_tokens"]
+    finally:
+        model.close()

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, wikitext_prompts  # noqa: E402
+from common import (add_reshape_workload_args, machine_description, restart_and_reprefill,  # noqa: E402
+                    running_state, wikitext_prompts)
 
 from elastic_hf import ElasticModel  # noqa: E402
 from elastic_hf.engine.sampling_params import SamplingParams  # noqa: E402
@@ -29,11 +30,6 @@ def _steps(dep: Deployment, num_steps: int) -> None:
         dep.step()
 
 
-def _running_state(dep: Deployment) -> list[list[int]]:
-    """Token ids (prompt + generated) of every unfinished sequence."""
-    return [list(s.token_ids) for inst in dep.instances for r in inst.engine.requests.values() for s in r.seqs]
-
-
 def _throughput(model: ElasticModel, prompts, max_new: int) -> float:
     start = time.perf_counter()
     outs = model.generate(prompts, max_tokens=max_new, ignore_eos=True)
@@ -43,13 +39,8 @@ def _throughput(model: ElasticModel, prompts, max_new: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--num-requests", type=int, default=8)
-    parser.add_argument("--min-prompt", type=int, default=64)
-    parser.add_argument("--max-prompt", type=int, default=192)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    add_reshape_workload_args(parser, max_new_tokens=48)
     parser.add_argument("--steps-before", type=int, default=6, help="decode steps before the reshape")
-    parser.add_argument("--kv-mib", type=int, default=192, help="KV MiB per worker as a TP1 instance")
     parser.add_argument("--num-short", type=int, default=8, help="requests of the throughput comparison")
     args = parser.parse_args()
 
@@ -67,7 +58,7 @@ def main() -> int:
         for p in prompts:
             dep.add_request(None, p, params)
         _steps(dep, args.steps_before)
-        state = _running_state(dep)
+        state = running_state(dep)
         live_tokens = sum(len(t) for t in state)
         before = dep.memory_report()
         up = dep.reshape([2])
@@ -84,21 +75,7 @@ def main() -> int:
         model.close()
 
     # Restart-based: same running requests, same target topology [2].
-    t0 = time.perf_counter()
-    restarted_model = ElasticModel.from_pretrained(args.model, workers=2, tp=2, kv_cache_memory=args.kv_mib << 20)
-    restarted = restarted_model.deployment
-    try:
-        resume = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        ids = [restarted.add_request(None, tokens, resume) for tokens in state]  # re-prefill prompt + generated
-        pending = set(ids)
-        while pending:
-            for out in restarted.step():
-                if out.finished:
-                    pending.discard(out.request_id)
-        restart_s = time.perf_counter() - t0
-        reprefill = restarted.stats()["num_computed_prompt_tokens"]
-    finally:
-        restarted_model.close()
+    restart_s, reprefill = restart_and_reprefill(args.model, state, tp=2, kv_cache_memory=args.kv_mib << 20)
 
     kv = [s["kv"] for s in up.worker_stats]
     freed = [b["weights_bytes"] - a["weights_bytes"] for b, a in zip(before, after)]

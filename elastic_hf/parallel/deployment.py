@@ -317,11 +317,13 @@ class Deployment:
         return self.pool.call_many(range(self.config.num_workers), "memory_report")
 
     # ------------------------------------------------------------------ reshape and recovery
-    def reshape(self, target, weights_source: str | None = None, allow_preemption: bool = False) -> ReshapeReport:
+    def reshape(self, target, weights_source: str | None = None, allow_preemption: bool = False,
+                overlap_weights: bool = True) -> ReshapeReport:
         """Change the topology in place (a transaction, see parallel/reshape.py). Call between steps. Requests whose
         KV the new layout cannot hold are preempted by recompute only with allow_preemption (an operator's
-        reshape); the TP policy's own merges and splits wait instead."""
-        return run_reshape(self, target, weights_source, allow_preemption)
+        reshape); the TP policy's own merges and splits wait instead. overlap_weights=False loads the new
+        weights after the KV migration instead of during it (for measurements)."""
+        return run_reshape(self, target, weights_source, allow_preemption, overlap_weights)
 
     def restore_full_precision(self, workers: list[int]) -> None:
         """Before a reshape moves these workers: their layers go back to fp (a TP shard is full precision). Raises

@@ -168,8 +168,8 @@ def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: Req
     return out, retired_prompt_tokens
 
 
-def run_reshape(deployment, target, weights_source: str | None = None,
-                allow_preemption: bool = False) -> ReshapeReport:
+def run_reshape(deployment, target, weights_source: str | None = None, allow_preemption: bool = False,
+                overlap_weights: bool = True) -> ReshapeReport:
     """Change the deployment's topology in place, e.g. [1, 1] -> [2] -> [1, 1]. Call between steps (the
     deployment's driver thread), which is the quiesce point. Raises ValueError for a topology that is not a
     candidate or a plan that does not fit, ReshapeAborted when a worker fails before the commit point; the old
@@ -190,6 +190,7 @@ def run_reshape(deployment, target, weights_source: str | None = None,
     footprints = pool.call_many(workers, "reshape_footprint", old, new)
     plan, placement = plan_reshape(deployment.instances, old, new, deployment.capacity, deployment.num_kv_heads,
                                    deployment.num_layers, weights_source, allow_preemption, footprints)
+    plan.overlap_weights = overlap_weights
     try:
         stats = pool.call_many(workers, RESHAPE_PHASES[0], plan)
         for phase in RESHAPE_PHASES[1:]:

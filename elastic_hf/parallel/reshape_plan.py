@@ -23,6 +23,7 @@ class ReshapePlan:
     seq_moves: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (old instance, new instance)
     kept: dict[int, int] = field(default_factory=dict)  # new instance -> old instance with the same workers
     weights_source: str = "host"               # where missing shard chunks come from: "host" store or "peers"
+    overlap_weights: bool = True               # load host-store chunks while the KV migrates (ReMP §3.3)
 
     def is_kept(self, worker: int) -> bool:
         """True when the worker's instance has the same workers before and after: nothing to do there."""

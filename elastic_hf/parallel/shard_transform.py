@@ -132,6 +132,18 @@ class ShardedWeights:
                 released += lin.release(sorted(lin.committed - set(own)))
         return loaded, released
 
+    def preload(self, tp: int, rank: int, layers: tuple[int, int]) -> int:
+        """Commit and fill, from the host store, the chunks shard (tp, rank) of `layers` needs and does not hold,
+        without switching to it (a reshape loads them while the KV migrates, ReMP §3.3). Returns bytes loaded."""
+        loaded = 0
+        for layer_idx in reversed(range(*layers)):
+            for kind, lin in self.linears[layer_idx].items():
+                missing = [i for i in lin.layout.shard_chunks(tp, rank) if i not in lin.committed]
+                if missing:
+                    lin.load(self.store.get(layer_idx, kind), missing)
+                    loaded += sum(lin.layout.chunks[i].nbytes for i in missing)
+        return loaded
+
     def release_layers(self, layer_ids) -> int:
         """Give back every chunk of the layers this worker no longer holds (a pipeline stage's foreign layers);
         their linears are deactivated. Returns the bytes released."""

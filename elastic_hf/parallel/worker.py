@@ -83,6 +83,7 @@ class Worker:
         self.reshape = ReshapeParticipant(self) if self.is_sharded else None
         self.links: StageLinks | None = None
         self.last_pipeline_stats: dict | None = None
+        self.step_fault_armed = False
         self.apply_stage()
 
     # ------------------------------------------------------------------ assembly helpers
@@ -219,10 +220,19 @@ class Worker:
         if self.links is None:
             raise RuntimeError(f"worker {self.me} is not a pipeline stage in topology {self.topology}")
         role = self.topology.role(self.me)
-        logits, stats = run_pipeline_step(self.instance.runner, self.links, micro_batches)
+        runner = self.instance.runner
+        if self.step_fault_armed:
+            self.step_fault_armed = False
+            runner = _FailingRunner(self.me)
+        logits, stats = run_pipeline_step(runner, self.links, micro_batches)
         self.last_pipeline_stats = {"stage": role.stage, "busy_s": stats.busy_s, "wall_s": stats.wall_s,
                                     "bubble_ratio": stats.bubble_ratio, "sent_bytes": stats.sent_bytes}
         return (logits if role.is_last_stage and role.rank == 0 else None), self.last_pipeline_stats
+
+    def arm_step_fault(self) -> None:
+        """Make this worker's next pipelined step fail in its forward (a failure drill: every stage must fail that
+        step at once, well inside the collective timeout, and the next step must run)."""
+        self.step_fault_armed = True
 
     def morph_info(self):
         if self.morph is None:
@@ -262,3 +272,13 @@ class Worker:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+class _FailingRunner:
+    """Stands in for the runner of one step armed with Worker.arm_step_fault."""
+
+    def __init__(self, worker: int):
+        self.worker = worker
+
+    def execute(self, inputs, hidden_in=None):
+        raise RuntimeError(f"fault injected in the forward of worker {self.worker}")

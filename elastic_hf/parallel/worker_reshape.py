@@ -5,6 +5,8 @@ worker waits in a transfer on a peer that already failed. Reached as "reshape.<p
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 from elastic_hf.kv.migration_plan import head_range
 from elastic_hf.kv.page_pool import KVPagePool
@@ -115,7 +117,13 @@ class ReshapeParticipant:
             txn["new_pool"] = new_pool
         old_h0 = head_range(num_kv_heads, old[1], old[2])[0] if old is not None else 0
         new_h0 = head_range(num_kv_heads, new[1], new[2])[0] if new is not None else 0
+        if new is not None and plan.overlap_weights and plan.weights_source == "host":
+            # The weights the new role needs come from the host store while the KV moves: the phase costs
+            # max(T_kv, T_w), not the sum (ReMP §3.3). finish_weights joins it before switching.
+            txn["preload"] = _Preload(worker.weights, new[1], new[2], txn["new_layers"])
+        started = time.perf_counter()
         kv = migrate_kv(plan.transfers, self._me, worker.pool, old_h0, new_pool, new_h0)
+        kv["seconds"] = time.perf_counter() - started
         kv["new_pool_live_bytes"] = worker.budget.used_bytes("kv") - kv_before
         kv["peak_extra_bytes"] = kv["new_pool_live_bytes"] + kv["peak_staging_bytes"]
         txn["stats"]["kv"] = kv
@@ -135,10 +143,14 @@ class ReshapeParticipant:
             layouts = {kind: lin.layout for kind, lin in worker.weights.linears[0].items()}
             gather = weight_gather_plan(plan.old, plan.new, layouts, plan.kept_workers())
             stats["gather"] = gather_weights(worker.weights, gather, self._me)
+        if txn.get("preload") is not None:
+            stats["preload"] = txn.pop("preload").join()   # raises what the loading thread raised
         if txn["kept"]:
             return stats
         if new is not None:
+            started = time.perf_counter()
             stats["weights_last"] = worker.weights.set_role(new[1], new[2], new[0], txn["new_layers"])
+            stats["weights_last_seconds"] = time.perf_counter() - started
         self._check_fault("weights_last")
         stats["weights_bytes_after"] = worker.budget.used_bytes("weights")
         self._check_fault("prepared")
@@ -174,6 +186,8 @@ class ReshapeParticipant:
         if txn is None:
             return worker.memory_report()
         self._txn = None
+        if txn.get("preload") is not None:
+            txn.pop("preload").join(raise_error=False)   # let the loader finish before the pages are rolled back
         if txn["kept"]:  # moved KV landed in blocks that stay free in the old plan
             return worker.memory_report()
         # Order matters for the budget: every step moves toward the old state, which fitted.
@@ -190,3 +204,28 @@ class ReshapeParticipant:
             for block_id in txn["trimmed"]:  # they were free: zero pages are fine
                 pool.arena.commit(block_id * block_bytes, block_bytes)
         return worker.memory_report()
+
+
+class _Preload:
+    """A thread loading a role's missing weight chunks from the host store (ShardedWeights.preload)."""
+
+    def __init__(self, weights, tp: int, rank: int, layers: tuple[int, int]):
+        self.result: dict = {}
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(weights, tp, rank, layers), daemon=True,
+                                       name="elastic-hf-weight-preload")
+        self.thread.start()
+
+    def _run(self, weights, tp, rank, layers) -> None:
+        started = time.perf_counter()
+        try:
+            self.result = {"bytes": weights.preload(tp, rank, layers)}
+        except BaseException as exc:  # noqa: BLE001 - handed to the RPC thread at join
+            self.error = exc
+        self.result["seconds"] = time.perf_counter() - started
+
+    def join(self, raise_error: bool = True) -> dict:
+        self.thread.join()
+        if self.error is not None and raise_error:
+            raise self.error
+        return self.result

@@ -196,3 +196,48 @@ def test_reshape_to_less_kv_preempts_and_reports(pp_checkpoint):
                 assert report.preempted == [r for r in ids if r in report.preempted][-len(report.preempted):]
             run_steps(dep, ids, done)
             assert [done[r] for r in ids] == expected
+
+
+def test_four_workers_across_tp_pp_layouts_match_hf(tmp_path_factory):
+    """4 workers, 4 KV heads, 4 layers: [2,2] -> 2x2 -> 1x4 -> [2,1x2] -> [2,2] while requests decode."""
+    from tiny_models import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint("llama", tmp_path_factory.mktemp("pp4") / "llama", 0, hidden_size=64,
+                                 intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                 num_key_value_heads=4)
+    reference, tokenizer = load_hf_model(path)
+    prompts = mixed_prompts(tokenizer, 8, 3, 60, seed=25)
+    with ElasticModel.from_pretrained(path, workers=4, topology="2,2", kv_cache_memory=2 << 20,
+                                      max_num_batched_tokens=64) as model:
+        dep = model.deployment
+        ids = _submit(dep, prompts)
+        done = run_steps(dep, ids, {}, num_steps=3)
+        for target in (["2x2"], ["1x4"], [2, "1x2"], [2, 2]):
+            report = dep.reshape(target)
+            assert report.committed and not report.preempted, target
+            run_steps(dep, ids, done, num_steps=2)
+        run_steps(dep, ids, done)
+        assert [done[r] for r in ids] == [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+        assert dep.stats()["num_computed_prompt_tokens"] == sum(len(p) for p in prompts)
+
+
+@pytest.mark.parametrize("failing_worker", [0, 1])
+def test_a_failing_stage_fails_the_step_at_once_and_the_pipeline_serves_on(pp_setup, failing_worker):
+    import time
+
+    from elastic_hf.parallel.worker_pool import WorkerError
+
+    dep, prompts, expected = pp_setup
+    dep.reshape(["1x2"])
+    try:
+        ids = _submit(dep, prompts[:4])
+        done = run_steps(dep, ids, {}, num_steps=2)
+        dep.pool.call(failing_worker, "arm_step_fault")
+        started = time.perf_counter()
+        with pytest.raises(WorkerError, match="fault injected|earlier pipeline stage failed"):
+            dep.step()
+        assert time.perf_counter() - started < 10   # the status header, not the 120 s collective timeout
+        run_steps(dep, ids, done)
+        assert [done[r] for r in ids] == expected[:4]
+    finally:
+        dep.reshape([1, 1])
