@@ -1,10 +1,15 @@
 """elastic-hf: serve Hugging Face causal LMs and reshape a live deployment under load."""
+from importlib.metadata import PackageNotFoundError, version as _package_version
+
 from elastic_hf.config import EngineConfig, MorphConfig
 from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
 from elastic_hf.engine.sampling_params import SamplingParams
 
 __all__ = ["ElasticModel", "EngineConfig", "MorphConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
-__version__ = "0.1.0"
+try:
+    __version__ = _package_version("elastic-hf")   # one place: pyproject.toml
+except PackageNotFoundError:  # a source tree on sys.path without an install
+    __version__ = "0.0.0+source"
 
 
 def __getattr__(name: str):

@@ -1,5 +1,6 @@
-"""The FastAPI app of `elastic-hf serve`: assembles the OpenAI-compatible routes (openai_routes.py), /health,
-/metrics, the error handlers (errors.py) and the API-key / body-size guard (auth.py) over one AsyncEngine.
+"""The FastAPI app of `elastic-hf serve`: assembles the OpenAI-compatible routes (openai_routes.py), vLLM's utility
+routes (utility_routes.py: /version, /ping, /tokenize, /detokenize), /health, /metrics, the error handlers
+(errors.py) and the API-key / body-size guard (auth.py) over one AsyncEngine.
 
 The app holds no engine state of its own; it translates HTTP to `AsyncEngine.add_requests` and outputs back to
 OpenAI JSON / SSE. Every client error becomes an OpenAI-style error body and touches no other request.
@@ -14,6 +15,7 @@ from elastic_hf.engine.async_engine import AsyncEngine
 from elastic_hf.serving.auth import GuardMiddleware
 from elastic_hf.serving.errors import install_error_handlers
 from elastic_hf.serving.openai_routes import openai_router
+from elastic_hf.serving.utility_routes import utility_router
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # an 8k-token prompt is under 100 KB as text or as token ids
 
@@ -40,5 +42,7 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, model_id
 
     app.include_router(openai_router(async_engine, model_id=model_id, tokenizer=async_engine.tokenizer,
                                      max_model_len=async_engine.max_model_len))
+    app.include_router(utility_router(model_id=model_id, tokenizer=async_engine.tokenizer,
+                                      max_model_len=async_engine.max_model_len))
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     return app

@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="initial tensor-parallel degree of each instance (workers / tp instances)")
     parser.add_argument("--topology", default=None,
                         help="initial layout instead of --tp: instances over consecutive workers, each a TP degree or "
-                             "TPxPP with optional layers per stage, e.g. '1x2,1' or '1x2:16/14' (see /admin/topology)")
+                             "TPxPP with optional layers per stage, e.g. '1x2,1' or '1x2:16/14' (see /admin/topology; "
+                             "default: workers / --tp instances of TP --tp)" + _OWN_DEFAULT)
     parser.add_argument("--tp-policy", default="static", choices=("static", "elastic"),
                         help="elastic: merge instances x2 when a request needs more KV than one holds, split "
                              "back when no long request remains and load < 50%% (Gyges); static: never reshape "

@@ -1,0 +1,85 @@
+"""The utility routes vLLM users script against, with vLLM's shapes: GET /version, GET|POST /ping, POST /tokenize
+(a prompt, or chat messages through the model's chat template) and POST /detokenize. Like vLLM's, they sit
+outside /v1, so the API key does not guard them; they read only the tokenizer and touch no request."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from elastic_hf import __version__
+from elastic_hf.serving import protocol as p
+from elastic_hf.serving.errors import APIError, validation_error
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[p.ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+async def _body(request: Request, model: type[BaseModel]):
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise validation_error(exc)
+
+
+def utility_router(*, model_id: str, tokenizer, max_model_len: int) -> APIRouter:
+    router = APIRouter()
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_id:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {model_id!r}", param="model",
+                           code="model_not_found")
+
+    @router.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @router.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return {}
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request):
+        req: TokenizeRequest = await _body(request, TokenizeRequest)
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            chat = p.ChatCompletionRequest(model=model_id, messages=req.messages,
+                                           add_generation_prompt=req.add_generation_prompt)
+            from elastic_hf.serving.openai_routes import chat_prompt_ids
+
+            try:
+                tokens = chat_prompt_ids(tokenizer, chat)
+            except ValueError as exc:
+                raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages")
+        else:
+            tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        body = {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+        if req.return_token_strs:
+            body["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+        return body
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request):
+        req: DetokenizeRequest = await _body(request, DetokenizeRequest)
+        check_model(req.model)
+        vocab = len(tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:8]}", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    return router
