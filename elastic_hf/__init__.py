@@ -7,9 +7,10 @@ from elastic_hf.engine.sampling_params import SamplingParams
 
 __all__ = ["ElasticModel", "EngineConfig", "MorphConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 try:
-    __version__ = _package_version("elastic-hf")   # one place: pyproject.toml
+    VERSION = _package_version("elastic-hf")   # one place: pyproject.toml
 except PackageNotFoundError:  # a source tree on sys.path without an install
-    __version__ = "0.0.0+source"
+    VERSION = "0.0.0+source"
+__version__ = VERSION
 
 
 def __getattr__(name: str):

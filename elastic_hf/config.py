@@ -88,6 +88,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None     # None: what the model and the largest reachable KV cache allow, <= 8192
+    # -- request limits: every stop string is checked at every step of its request
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
     # -- deployment
     num_workers: int = 1                 # 1: one worker driven in-process; more: worker processes (torch.distributed)
     # Instances over consecutive workers: a TP degree, or "TPxPP" (optionally ":16/14" layers per stage) each, e.g.
@@ -117,6 +120,9 @@ class EngineConfig:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("max_stop_strings", "max_stop_string_chars"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

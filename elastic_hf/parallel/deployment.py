@@ -207,6 +207,7 @@ class Deployment:
         if instance is not None and not 0 <= instance < len(self.instances):
             raise InvalidRequest(f"instance must be in [0, {len(self.instances)}) for topology {self.topology}, "
                                  f"got {instance}", param="instance")
+        self._check_limits(params)
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) \
             else list(prompt)
         need = ceil_div(len(prompt_ids) + params.max_tokens, self.config.block_size) * params.n
@@ -223,6 +224,17 @@ class Deployment:
         if is_long:
             self.long_request_ids.add(request_id)
         return request_id
+
+    def _check_limits(self, params: SamplingParams) -> None:
+        """Stop strings are matched at every step of their request: their number and length are capped."""
+        config = self.config
+        if len(params.stop) > config.max_stop_strings:
+            raise InvalidRequest(f"at most {config.max_stop_strings} stop strings are allowed, got "
+                                 f"{len(params.stop)}", param="stop")
+        longest = max((len(s) for s in params.stop), default=0)
+        if longest > config.max_stop_string_chars:
+            raise InvalidRequest(f"stop strings may have at most {config.max_stop_string_chars} characters, got "
+                                 f"one of {longest}", param="stop")
 
     def _admit(self, need: int, is_long: bool) -> int:
         # The elastic TP policy merges and splits TP instances; with a pipelined instance it only routes.

@@ -17,9 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="elastic-hf",
         description="Serve Hugging Face causal LMs and reshape a live deployment under load. "
                     "With no MODEL every command uses the embedded SmolLM2-135M-Instruct.")
-    from elastic_hf import __version__
+    from elastic_hf import VERSION
 
-    parser.add_argument("--version", action="version", version=f"elastic-hf {__version__}")
+    parser.add_argument("--version", action="version", version=f"elastic-hf {VERSION}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         try:

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients send in 'model' and see in /v1/models "
                              "(default: the model id)" + _OWN_DEFAULT)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="vLLM's name for a --memory-budget given as a fraction of the device, e.g. 0.9 "
+                             "(default: unset)" + _OWN_DEFAULT)
     parser.add_argument("--memory-budget", default=None,
                         help="cap on committed bytes per worker for weights + KV cache: bytes, a size like '2GiB', "
                              "or a fraction of the device like '0.5' (default: weights + --kv-cache-memory)"
@@ -58,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1,
                         help="worker processes; more than 1 starts a torch.distributed deployment whose instances "
                              "can change tensor-parallel degree at runtime (POST /admin/reshape)")
-    parser.add_argument("--tp", type=int, default=1,
+    parser.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                         help="initial tensor-parallel degree of each instance (workers / tp instances)")
     parser.add_argument("--topology", default=None,
                         help="initial layout instead of --tp: instances over consecutive workers, each a TP degree or "
@@ -71,9 +74,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", default=None, choices=("elastic", "least_load", "round_robin"),
                         help="how requests pick an instance (default: elastic with --tp-policy elastic, "
                              "least_load otherwise)" + _OWN_DEFAULT)
-    parser.add_argument("--kv-cache-memory", default=None,
+    parser.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", default=None,
                         help="KV bytes per worker when --memory-budget is not given, e.g. '256MiB' "
                              "(default: 1 GiB)" + _OWN_DEFAULT)
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV block, a power of two (default: engine default, 16)" + _OWN_DEFAULT)
+    parser.add_argument("--max-stop-strings", type=int, default=None,
+                        help="most stop strings one request may give; more is a 400 (default: engine default, 64)"
+                        + _OWN_DEFAULT)
+    parser.add_argument("--max-stop-string-chars", type=int, default=None,
+                        help="longest stop string in characters; longer is a 400 (default: engine default, 1024)"
+                        + _OWN_DEFAULT)
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level of server and engine")
 
 
@@ -86,8 +97,15 @@ def engine_config(args: argparse.Namespace):
     if args.tp < 1 or args.workers % args.tp:
         raise ValueError(f"--tp must divide --workers: {args.tp} does not divide {args.workers}")
     topology = args.topology if args.topology is not None else (args.tp,) * (args.workers // args.tp)
+    if args.gpu_memory_utilization is not None:
+        if args.memory_budget is not None:
+            raise ValueError("give either --memory-budget or --gpu-memory-utilization, not both")
+        if not 0.0 < args.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+        args.memory_budget = str(args.gpu_memory_utilization)
     options = {name: getattr(args, name) for name in ("dtype", "max_num_seqs", "max_num_batched_tokens",
-                                                       "memory_budget", "kv_cache_memory", "max_model_len", "router")
+                                                       "memory_budget", "kv_cache_memory", "max_model_len", "router",
+                                                       "block_size", "max_stop_strings", "max_stop_string_chars")
                if getattr(args, name) is not None}
     return EngineConfig(model=args.model, num_workers=args.workers, topology=topology,
                         tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from elastic_hf import __version__
+from elastic_hf import VERSION
 from elastic_hf.serving import protocol as p
 from elastic_hf.serving.errors import APIError, validation_error
 
@@ -44,7 +44,7 @@ def utility_router(*, model_id: str, tokenizer, max_model_len: int) -> APIRouter
 
     @router.get("/version")
     async def version():
-        return {"version": __version__}
+        return {"version": VERSION}
 
     @router.api_route("/ping", methods=["GET", "POST"])
     async def ping():

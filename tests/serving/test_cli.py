@@ -14,7 +14,9 @@ import httpx
 
 SERVE_FLAGS = ["--host", "--port", "--memory-budget", "--max-model-len", "--dtype", "--api-key", "--max-num-seqs",
                "--max-num-batched-tokens", "--log-level", "--served-model-name", "--max-body-bytes", "--admin-key",
-               "--workers", "--tp", "--tp-policy", "--router", "--kv-cache-memory", "--morph", "--profile"]
+               "--workers", "--tp", "--tp-policy", "--router", "--kv-cache-memory", "--morph", "--profile",
+               "--topology", "--tensor-parallel-size", "--kv-cache-memory-bytes", "--gpu-memory-utilization",
+               "--block-size", "--max-stop-strings", "--max-stop-string-chars"]
 
 
 def _cli() -> list[str]:
