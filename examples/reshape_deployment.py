@@ -1,6 +1,7 @@
 """Reshape a live multi-worker deployment: two worker processes start as two TP-1 instances, merge in place into
-one TP-2 instance (weights re-sharded, KV cache migrated by head ranges, nothing reloaded), split back, and
-morph one instance's layers to INT4 on its own.
+one TP-2 instance (weights re-sharded, KV cache migrated by head ranges, nothing reloaded), split back, become a
+two-stage pipeline (1x2: layers and KV split by stage) and back, and morph one instance's layers to INT4 on its
+own.
 
     .venv/bin/python examples/reshape_deployment.py
 
@@ -58,6 +59,15 @@ def main() -> None:
         # ... and split it back.
         show(model.reshape([1, 1]))
         print(f"[1,1] greedy equals [1,1]: {greedy(model, args.max_tokens) == before}")
+
+        # A two-stage pipeline on the same workers: each stage holds only its layers (weights and KV), so the
+        # pipeline holds far more KV than two TP-1 instances; the KV cache moves by layer range (ReMP).
+        show(model.reshape(["1x2"]))
+        report = model.memory_report()
+        print(f"[1x2] stages hold layers {[w['layers'] for w in report['workers']]}, "
+              f"KV blocks {report['kv_blocks_total']}")
+        print(f"[1x2] greedy equals [1,1]: {greedy(model, args.max_tokens) == before}")
+        show(model.reshape([1, 1]))
 
         # Precision morphing runs per TP-1 instance: swap instance 1's layers to INT4; instance 0 is untouched.
         state = model.morph.to_precision("all", "w4", instance=1)

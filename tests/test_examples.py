@@ -58,10 +58,12 @@ def _check_force_morph(out: str) -> None:
 def _check_reshape_deployment(out: str) -> None:
     reports = re.findall(r"^reshape (\S+) -> (\S+): committed=(\w+) seconds=[\d.]+ num_moved_seqs=(\d+)$", out, re.M)
     assert [(old, new, committed) for old, new, committed, _ in reports] == [
-        ("[1,1]", "[2]", "True"), ("[2]", "[1,1]", "True"), ("[1,1]", "[2]", "True"), ("[2]", "[1,1]", "True")]
+        ("[1,1]", "[2]", "True"), ("[2]", "[1,1]", "True"), ("[1,1]", "[1x2]", "True"), ("[1x2]", "[1,1]", "True"),
+        ("[1,1]", "[2]", "True"), ("[2]", "[1,1]", "True")]
     assert reports[0][3] == "1", "the first reshape happens while a request is decoding: it moves"
     assert "request decoded across the reshape equals [1,1] greedy: True" in out
     assert out.count("[2] greedy equals [1,1]: True") == 2 and "[1,1] greedy equals [1,1]: True" in out
+    assert "[1x2] stages hold layers [(0, 2), (2, 3)]" in out and "[1x2] greedy equals [1,1]: True" in out
     assert "instance 1 morphed: layers {'fp': 0, 'w8': 0, 'w4': 3}" in out
     assert "instance 0: layers {'fp': 3, 'w8': 0, 'w4': 0}" in out
     assert "after split: layers [{'fp': 3, 'w8': 0, 'w4': 0}, {'fp': 3, 'w8': 0, 'w4': 0}]" in out
