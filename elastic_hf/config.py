@@ -91,6 +91,7 @@ class EngineConfig:
     # -- request limits: every stop string is checked at every step of its request
     max_stop_strings: int = 64
     max_stop_string_chars: int = 1024
+    max_queued_requests: int = 1024      # waiting sequences beyond which new requests are refused (HTTP 503)
     # -- deployment
     num_workers: int = 1                 # 1: one worker driven in-process; more: worker processes (torch.distributed)
     # Instances over consecutive workers: a TP degree, or "TPxPP" (optionally ":16/14" layers per stage) each, e.g.
@@ -122,7 +123,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("max_stop_strings", "max_stop_string_chars"):
+        for name in ("max_stop_strings", "max_stop_string_chars", "max_queued_requests"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

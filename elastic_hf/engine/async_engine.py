@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from elastic_hf.engine.errors import EngineDeadError, EngineError
+from elastic_hf.engine.errors import EngineDeadError, EngineError, EngineOverloaded
 from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.engine.protocol import EngineCore
 from elastic_hf.engine.sampling_params import SamplingParams
@@ -249,7 +249,7 @@ class AsyncEngine:
                 return
             try:
                 self.engine.add_request(stream.request_id, prompt, params, arrival_time=arrival_time)
-            except ValueError as exc:
+            except (ValueError, EngineOverloaded) as exc:  # the caller's to handle; nothing changed
                 stream.resolve(exc)
                 return
             except Exception as exc:

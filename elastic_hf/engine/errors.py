@@ -1,6 +1,7 @@
 """Errors the engine raises across its public surface. Callers map them to responses without parsing messages:
 `InvalidRequest` carries the offending parameter and an OpenAI-style code (HTTP 400), `EngineError` is the engine's
-own failure (HTTP 500, other requests continue), `EngineDeadError` a stopped engine (HTTP 503)."""
+own failure (HTTP 500, other requests continue), `EngineDeadError` a stopped engine (HTTP 503), `EngineOverloaded` a
+full queue (HTTP 503 with Retry-After)."""
 from __future__ import annotations
 
 
@@ -22,3 +23,7 @@ class EngineError(RuntimeError):
 
 class EngineDeadError(EngineError):
     """The engine thread is not running (shut down, or never started)."""
+
+
+class EngineOverloaded(EngineError):
+    """Too many requests are queued already (EngineConfig.max_queued_requests): retry later. Nothing changed."""

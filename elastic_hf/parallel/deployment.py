@@ -15,6 +15,7 @@ from elastic_hf.engine.errors import InvalidRequest
 from elastic_hf.engine.llm_engine import LLMEngine
 from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.outputs import RequestOutput
+from elastic_hf.engine.request_limits import check_request_limits
 from elastic_hf.engine.routing import InstanceLoad, TPPolicy
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import Scheduler
@@ -207,7 +208,7 @@ class Deployment:
         if instance is not None and not 0 <= instance < len(self.instances):
             raise InvalidRequest(f"instance must be in [0, {len(self.instances)}) for topology {self.topology}, "
                                  f"got {instance}", param="instance")
-        self._check_limits(params)
+        check_request_limits(self.config, params, sum(len(i.engine.scheduler.waiting) for i in self.instances))
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) \
             else list(prompt)
         need = ceil_div(len(prompt_ids) + params.max_tokens, self.config.block_size) * params.n
@@ -224,17 +225,6 @@ class Deployment:
         if is_long:
             self.long_request_ids.add(request_id)
         return request_id
-
-    def _check_limits(self, params: SamplingParams) -> None:
-        """Stop strings are matched at every step of their request: their number and length are capped."""
-        config = self.config
-        if len(params.stop) > config.max_stop_strings:
-            raise InvalidRequest(f"at most {config.max_stop_strings} stop strings are allowed, got "
-                                 f"{len(params.stop)}", param="stop")
-        longest = max((len(s) for s in params.stop), default=0)
-        if longest > config.max_stop_string_chars:
-            raise InvalidRequest(f"stop strings may have at most {config.max_stop_string_chars} characters, got "
-                                 f"one of {longest}", param="stop")
 
     def _admit(self, need: int, is_long: bool) -> int:
         # The elastic TP policy merges and splits TP instances; with a pipelined instance it only routes.

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from elastic_hf.engine.errors import EngineDeadError, EngineError, InvalidRequest
+from elastic_hf.engine.errors import EngineDeadError, EngineError, EngineOverloaded, InvalidRequest
 from elastic_hf.serving import protocol as p
 
 
@@ -32,16 +32,22 @@ def sse_error_event(exc: BaseException) -> str:
     return f"data: {_body(str(exc), type='server_error', param=None, code='500').model_dump_json()}\n\n"
 
 
+OVERLOAD_RETRY_AFTER_S = 1   # what a client told to back off by a full queue waits before retrying
+
+
 class APIError(Exception):
     """Raised anywhere under a route; the handler `install_error_handlers` installs answers it with its body."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, type=self.type, param=self.param, code=self.code)
+        response = error_response(self.status, self.message, type=self.type, param=self.param, code=self.code)
+        response.headers.update(self.headers)
+        return response
 
 
 def validation_problems(exc: ValidationError | RequestValidationError) -> str:
@@ -68,6 +74,9 @@ def api_error_from_engine(exc: ValueError | EngineError) -> APIError:
         return APIError(400, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, ValueError):  # bad input the engine did not attribute to one field
         return APIError(400, str(exc))
+    if isinstance(exc, EngineOverloaded):
+        return APIError(503, str(exc), type="server_error", code="server_overloaded",
+                        headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_unavailable")
     return APIError(500, str(exc), type="server_error", code="engine_error")  # EngineError

@@ -85,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-stop-string-chars", type=int, default=None,
                         help="longest stop string in characters; longer is a 400 (default: engine default, 1024)"
                         + _OWN_DEFAULT)
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="queued sequences beyond which new requests get HTTP 503 with Retry-After, so an "
+                             "overload never exhausts memory (default: engine default, 1024)" + _OWN_DEFAULT)
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level of server and engine")
 
 
@@ -105,7 +108,8 @@ def engine_config(args: argparse.Namespace):
         args.memory_budget = str(args.gpu_memory_utilization)
     options = {name: getattr(args, name) for name in ("dtype", "max_num_seqs", "max_num_batched_tokens",
                                                        "memory_budget", "kv_cache_memory", "max_model_len", "router",
-                                                       "block_size", "max_stop_strings", "max_stop_string_chars")
+                                                       "block_size", "max_stop_strings", "max_stop_string_chars",
+                                                       "max_queued_requests")
                if getattr(args, name) is not None}
     return EngineConfig(model=args.model, num_workers=args.workers, topology=topology,
                         tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)

@@ -42,3 +42,25 @@ def test_stop_string_limits_are_400s_and_other_requests_go_on(tiny_server):
     ok = client.completions.create(model=tiny_server.model_id, prompt="Hi", max_tokens=2,
                                    stop=[f"s{i}" for i in range(limits.max_stop_strings)])
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_full_queue_refuses_new_requests_with_503_and_retry_after(tiny_checkpoint):
+    from elastic_hf import ElasticModel
+    from elastic_hf.engine.errors import EngineOverloaded
+    from elastic_hf.engine.sampling_params import SamplingParams
+    from elastic_hf.serving.errors import api_error_from_engine
+
+    assert _config("--max-queued-requests", "3").max_queued_requests == 3
+    with ElasticModel.from_pretrained(tiny_checkpoint("llama"), kv_cache_memory=1 << 20,
+                                      max_queued_requests=3) as model:
+        dep = model.deployment
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        ids = [dep.add_request(None, [5, 6, 7], params) for _ in range(3)]   # queued: no step has run
+        with pytest.raises(EngineOverloaded, match="3 sequences are queued and max_queued_requests is 3"):
+            dep.add_request(None, [5, 6, 7], params)
+        error = api_error_from_engine(EngineOverloaded("full"))
+        response = error.response()
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        while dep.has_unfinished_requests():   # the queued ones are untouched and finish
+            dep.step()
+        assert dep.add_request(None, [5, 6, 7], params) not in ids   # room again
