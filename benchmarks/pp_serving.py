@@ -16,6 +16,7 @@ Prints TTFT / TPOT P50 / P99 and throughput (output tokens/s, and prompt + outpu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -127,7 +128,7 @@ def main() -> int:
                 progress.update(2)
             for rate in rates:
                 scale = time_scale_for_rate(rows, rate)
-                timed = [type(r)(r.arrival_s * scale, r.prompt_tokens, r.output_tokens) for r in rows]
+                timed = [dataclasses.replace(r, arrival_s=r.arrival_s * scale) for r in rows]
                 requests = build_requests(timed, dep.tokenizer, seed=0)
                 for variant in FIXED + ["live"]:
                     dep.reshape("[1,1]" if variant == "live" else variant)

@@ -38,11 +38,6 @@ class KVLayout:
         if self.first_layer < 0:
             raise ValueError(f"first_layer must be >= 0, got {self.first_layer}")
 
-    @property
-    def layer_range(self) -> range:
-        """Model layer indices held."""
-        return range(self.first_layer, self.first_layer + self.num_layers)
-
     def local_layer(self, layer_idx: int) -> int:
         """Index of model layer `layer_idx` inside a block."""
         local = layer_idx - self.first_layer

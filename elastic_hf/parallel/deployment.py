@@ -109,12 +109,10 @@ class Deployment:
         topology.check_layers(self.num_layers)
         return topology
 
-    def capacity(self, key: tuple[tuple[int, ...], InstanceShape] | tuple[int, ...]) -> int:
-        """KV blocks of a full-precision instance (workers, shape); bare workers mean one TP stage over them.
-        Fixed per key: the budgets do not change. Every stage holds the same block ids for its own layers, so a
-        pipelined instance holds what its fullest stage holds."""
-        if not isinstance(key[-1], InstanceShape):
-            key = (tuple(key), InstanceShape(len(key)))
+    def capacity(self, key: tuple[tuple[int, ...], InstanceShape]) -> int:
+        """KV blocks of a full-precision instance (workers, shape). Fixed per key: the budgets do not change. Every
+        stage holds the same block ids for its own layers, so a pipelined instance holds what its fullest stage
+        holds."""
         if key not in self._capacities:
             workers, shape = key
             bounds = shape.stage_bounds(self.num_layers)
@@ -192,7 +190,8 @@ class Deployment:
             allocator = inst.engine.scheduler.allocator
             num_long = sum(1 for r in inst.engine.requests if r in self.long_request_ids)
             half = inst.tp // 2 if inst.shape.pp == 1 else 0   # the elastic TP policy splits TP instances only
-            split = self.capacity(inst.workers[:half]) + self.capacity(inst.workers[half:]) if half else 0
+            split = sum(self.capacity((ws, InstanceShape(half))) for ws in (inst.workers[:half], inst.workers[half:])) \
+                if half else 0
             out.append(InstanceLoad(idx, inst.tp, allocator.num_total, allocator.num_used, len(inst.engine.requests),
                                     num_long, split))
         return out

@@ -35,7 +35,7 @@ def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: i
             continue
         g = groups.setdefault((t.layer_start, t.layer_end), {"local_src": [], "local_dst": [], "send": {},
                                                              "recv": {}})
-        n = t.head_end - t.head_start
+        n = t.num_heads
         if t.src_worker == me:
             src = rows(t.src_block, t.head_start, n, old_lo, old_head_start)
             if t.dst_worker == me:
@@ -55,18 +55,26 @@ def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: i
     stats = {"local_bytes": 0, "sent_bytes": 0, "received_bytes": 0, "peak_staging_bytes": 0}
     old_rows = old_pool.rows if old_pool is not None else None   # [arena rows, head_dim]
     new_rows = new_pool.rows if new_pool is not None else None
+    cache: dict[tuple, tuple[dict, dict]] = {}
+
+    def merged(keys: tuple) -> tuple[dict, dict]:
+        """Row ids per peer of the groups covering a layer; consecutive layers share their groups, so once each."""
+        if keys not in cache:
+            active = [groups[k] for k in keys]
+            cache[keys] = tuple({peer: torch.cat([g[way][peer] for g in active if peer in g[way]])
+                                 for peer in sorted({p for g in active for p in g[way]})} for way in ("send", "recv"))
+        return cache[keys]
+
     last_layer = max((end for _, end in groups), default=0)
     for layer in reversed(range(last_layer)):
-        active = [g for (start, end), g in groups.items() if start <= layer < end]
-        if not active:
+        keys = tuple(key for key in groups if key[0] <= layer < key[1])
+        if not keys:
             continue
+        active = [groups[key] for key in keys]
         # Offsets of this model layer inside each pool (pools of pipeline stages start at their first layer).
         o_off = (layer - old_lo.first_layer) * old_lo.rows_per_layer
         n_off = (layer - new_lo.first_layer) * new_lo.rows_per_layer
-        send = {peer: torch.cat([g["send"][peer] for g in active if peer in g["send"]])
-                for peer in sorted({p for g in active for p in g["send"]})}
-        recv = {peer: torch.cat([g["recv"][peer] for g in active if peer in g["recv"]])
-                for peer in sorted({p for g in active for p in g["recv"]})}
+        send, recv = merged(keys)
         ops, inbox, staging = [], [], 0
         for peer, idx in send.items():
             buf = old_rows.index_select(0, idx + o_off)                 # [rows, head_dim]

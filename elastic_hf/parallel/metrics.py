@@ -41,9 +41,9 @@ class DeploymentMetrics:
         for tp, pp in self._instance_shapes:
             self.instances.labels(tp=tp, pp=pp).set(counts.get((tp, pp), 0))
 
-    def on_pipeline_step(self, stage_stats: list[dict], workers: tuple[int, ...] = ()) -> None:
+    def on_pipeline_step(self, stage_stats: list[dict], workers: tuple[int, ...]) -> None:
         """Stage timings of one pipelined step (every worker of the instance, stage order)."""
-        name = "-".join(map(str, workers)) if workers else "?"
+        name = "-".join(map(str, workers))
         for stats in stage_stats:
             self.bubble_ratio.labels(instance_workers=name, stage=str(stats["stage"])).set(stats["bubble_ratio"])
             self.activation_bytes.inc(stats["sent_bytes"])

@@ -24,7 +24,6 @@ class PipelineStats:
     busy_s: float = 0.0          # time in this stage's forwards
     wall_s: float = 0.0          # the whole step on this worker, waits included
     sent_bytes: int = 0
-    micro_batches: int = 0
 
     @property
     def bubble_ratio(self) -> float:
@@ -99,7 +98,6 @@ def run_pipeline_step(runner, links: StageLinks, micro_batches: list[list]) -> t
                                                out if error is None else None, num_tokens)
             elif error is None:
                 logits.append(out)
-            stats.micro_batches += 1
     finally:
         links.flush()
         stats.wall_s = time.perf_counter() - started

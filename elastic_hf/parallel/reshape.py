@@ -77,7 +77,7 @@ def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tu
         if not over:
             return plan, placement
         placement.release_taken()
-        movable = [r for r in _requests_by_age(instances, plan) if r.request_id not in placement.preempted]
+        movable = [r for _, r in _changing_requests(instances, plan.kept) if r.request_id not in placement.preempted]
         if not allow_preemption or not movable:
             worker, need, budget = over[0]
             raise ValueError(f"reshape {old} -> {new}: worker {worker} would need {format_bytes(need)} before the "
@@ -86,9 +86,11 @@ def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tu
         forced.add(movable[-1].request_id)   # the youngest goes over without its KV
 
 
-def _requests_by_age(instances, plan: ReshapePlan) -> list[Request]:
-    changing = [inst for idx, inst in enumerate(instances) if idx not in plan.kept.values()]
-    return sorted((r for inst in changing for r in inst.engine.requests.values()), key=lambda r: r.arrival_time)
+def _changing_requests(instances, kept: dict[int, int]) -> list[tuple[int, Request]]:
+    """(old instance, request) of every instance that does not stay as it is, oldest request first."""
+    requests = [(idx, r) for idx, inst in enumerate(instances) if idx not in kept.values()
+                for r in inst.engine.requests.values()]
+    return sorted(requests, key=lambda item: item[1].arrival_time)
 
 
 def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int, num_layers: int,
@@ -103,13 +105,8 @@ def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int,
     placement = RequestPlacement({idx: [] for idx in range(len(new_instances))}, allocators, [])
     moves: list[BlockMove] = []
     seq_moves: dict[int, tuple[int, int]] = {}
-    requests = []
-    for old_idx, inst in enumerate(instances):
-        if old_idx not in kept.values():
-            requests.extend((old_idx, r) for r in inst.engine.requests.values())
-    requests.sort(key=lambda item: item[1].arrival_time)
     try:
-        for old_idx, request in requests:
+        for old_idx, request in _changing_requests(instances, kept):
             old_workers = set(instances[old_idx].workers)
             need = sum(len(s.block_ids) for s in request.seqs)
             free = [idx for idx in allocators if allocators[idx].num_free >= need]
@@ -149,8 +146,8 @@ def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int,
 
 def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: RequestPlacement, make_instance):
     """The instances after the commit point: kept ones keep their engine and adopt the requests moved to them; the
-    others get a new engine over their new allocator. make_instance((workers, shape), allocator) builds one. Returns (new
-    instances, prompt tokens computed by the retired engines)."""
+    others get a new engine over their new allocator. make_instance((workers, shape), allocator) builds one.
+    Returns (new instances, prompt tokens computed by the retired engines)."""
     new_block_ids = {(m.src_instance, m.src_blocks): list(m.dst_blocks) for m in plan.moves}
     retired_prompt_tokens = sum(inst.engine.num_computed_prompt_tokens for idx, inst in enumerate(instances)
                                 if idx not in plan.kept.values())

@@ -88,7 +88,6 @@ class ShardedWeights:
                     offset += lay.nbytes
                 self.linears.append(built)
         self.tp, self.rank = tp, rank
-        self.layer_range = (0, self.num_layers) if layers is None else tuple(layers)
 
     # ------------------------------------------------------------------ precision morphing (TP1 only)
     def fp_region(self, layer: int) -> ArenaRange:
@@ -162,7 +161,7 @@ class ShardedWeights:
         released = self.release_layers(i for i in range(self.num_layers) if not start <= i < end)
         loaded, released_in = self.switch(ATTENTION_KINDS + MLP_KINDS, tp, rank, group,
                                           list(reversed(range(start, end))))
-        self.tp, self.rank, self.layer_range = tp, rank, (start, end)
+        self.tp, self.rank = tp, rank
         return loaded, released + released_in
 
     def release_all(self) -> int:

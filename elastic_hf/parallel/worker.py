@@ -120,17 +120,17 @@ class Worker:
         """Run the layers of this worker's pipeline stage in the current topology (all of them outside a
         pipeline), with links to the same TP rank of the neighbouring stages."""
         role = self.topology.role(self.me)
-        layers = self.layer_range() or (0, self.loaded.num_layers)
-        pp = role.pp if role is not None else 1
-        stage = role.stage if role is not None else 0
-        if pp > 1 or self.instance.runner.stage is not None:
-            self.instance.runner.set_stage(StageSpec(*layers, stage == 0, stage == pp - 1), self.loaded.layers)
+        pipelined = role is not None and role.pp > 1
+        if pipelined or self.instance.runner.stage is not None:
+            spec = StageSpec(*self.layer_range(), role.is_first_stage, role.is_last_stage) if pipelined \
+                else StageSpec(0, self.loaded.num_layers)
+            self.instance.runner.set_stage(spec, self.loaded.layers)
         self.links = None
-        if pp > 1:
-            first = self.topology.instances()[role.instance][0]
-            peer = lambda s: first + s * role.tp + role.rank  # noqa: E731 - same TP rank of stage s
-            self.links = StageLinks(peer(stage - 1) if stage > 0 else None, peer(stage + 1) if stage < pp - 1 else None,
-                                    self.loaded.hf_config.hidden_size, self.loaded.dtype, self.device)
+        if pipelined:
+            stages = self.topology.stages(role.instance)
+            prev = None if role.is_first_stage else stages[role.stage - 1][role.rank]
+            after = None if role.is_last_stage else stages[role.stage + 1][role.rank]
+            self.links = StageLinks(prev, after, self.loaded.hf_config.hidden_size, self.loaded.dtype, self.device)
 
     # ------------------------------------------------------------------ views for the control plane and tests
     @property

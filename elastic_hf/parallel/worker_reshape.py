@@ -1,7 +1,8 @@
 """A worker's part of a reshape transaction (Gyges §4, ReMP §3.9): three phases before the commit point, then commit
 or abort. A worker's role is a TP shard (tp, rank) of a layer range (its pipeline stage; all layers outside a
-pipeline): layers it stops holding are released first, layers it starts holding are loaded from the host store. The control plane runs each phase on every worker and starts the next only when all succeeded, so no
-worker waits in a transfer on a peer that already failed. Reached as "reshape.<phase>" through the worker's RPC."""
+pipeline): layers it stops holding are released first, layers it starts holding are loaded from the host store.
+The control plane runs each phase on every worker and starts the next only when all succeeded, so no worker waits
+in a transfer on a peer that already failed. Reached as "reshape.<phase>" through the worker's RPC."""
 from __future__ import annotations
 
 import os
