@@ -6,11 +6,14 @@ the server are all built from it. Memory sizes are per worker: a worker's budget
 arenas (weights + KV cache + the headroom precision morphing keeps free)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from elastic_hf.topology import parse_topology
 from elastic_hf.units import parse_memory_budget
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
@@ -77,7 +80,8 @@ class MorphConfig:
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None             # checkpoint dir or .gguf file; None: the embedded SmolLM2-135M-Instruct
-    dtype: str = "float32"               # float32 | bfloat16 | float16 (aliases fp32, bf16, fp16, torch dtypes)
+    # float32 | bfloat16 | float16 (aliases fp32, bf16, fp16, torch dtypes) | auto (resolved here: see auto_dtype)
+    dtype: str = "float32"
     device: str = "cpu"                  # cpu | cuda (worker i of a deployment uses cuda:i)
     # -- memory, per worker
     memory_budget: int | float | str | None = None   # bytes, "2GiB", or a fraction of the device ("0.5")
@@ -104,11 +108,14 @@ class EngineConfig:
     start_timeout_s: float = 300.0       # how long worker processes may take to load
     # -- precision morphing
     morph: MorphConfig = field(default_factory=MorphConfig)
+    # -- serving
+    seed: int | None = None              # seeds requests that bring none, in order of acceptance (vLLM's --seed)
+    chat_template: str | None = None     # Jinja text or a file holding it (see load_chat_template); None: the model's
 
     def __post_init__(self):
-        self.dtype = _canonical_dtype(self.dtype)
         if not isinstance(self.device, str):
             self.device = str(self.device)
+        self.dtype = _canonical_dtype(self.dtype, self.device)
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.memory_budget is not None:
@@ -151,6 +158,10 @@ class EngineConfig:
             self.morph = MorphConfig(mode=self.morph)
         elif isinstance(self.morph, dict):
             self.morph = MorphConfig(**self.morph)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template)   # a missing file fails here, before any model loads
 
     @property
     def kv_bytes_per_worker(self) -> int:
@@ -162,11 +173,54 @@ class EngineConfig:
         return tuple(f.name for f in fields(cls))
 
 
-def _canonical_dtype(dtype) -> str:
+def _canonical_dtype(dtype, device: str) -> str:
     if dtype is None:
         return "float32"
     if not isinstance(dtype, str):  # a torch.dtype, without importing torch here
         dtype = str(dtype).removeprefix("torch.")
+    if dtype == "auto":
+        chosen, reason = auto_dtype(device)
+        log.info("dtype auto -> %s (%s)", chosen, reason)
+        return chosen
     if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES) + ['auto']}")
     return DTYPES[dtype]
+
+
+def auto_dtype(device: str, cpu_flags: set[str] | None = None) -> tuple[str, str]:
+    """What dtype="auto" means, and why: bfloat16 on CUDA GPUs and on CPUs with native bf16 arithmetic
+    (AVX512-BF16 or AMX-BF16), float32 elsewhere, where bf16 matmuls are emulated and slower than fp32 ones.
+    cpu_flags: the CPU's feature flags (default: read from /proc/cpuinfo)."""
+    if device.split(":")[0] == "cuda":
+        return "bfloat16", "CUDA device"
+    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+    native = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    if native:
+        return "bfloat16", f"CPU has {' and '.join(native)}"
+    return "float32", "CPU without avx512_bf16 / amx_bf16"
+
+
+def read_cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The feature flags of the first CPU in a Linux cpuinfo file; empty elsewhere (fp32 is then the safe choice)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's reading of --chat-template: a file that opens is read; otherwise a value with Jinja characters is the
+    template itself (its backslash escapes such as \\n decoded, as vLLM does), anything else a path that failed."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError) as exc:   # ValueError: a NUL character, which no path holds
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"chat_template={value!r} looks like a file path but cannot be read: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
+    # latin-1 + backslashreplace keeps every non-ASCII character intact through unicode_escape
+    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")

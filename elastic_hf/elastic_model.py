@@ -106,17 +106,20 @@ class ElasticModel:
     def from_config(cls, config: EngineConfig) -> "ElasticModel":
         from transformers import AutoConfig, AutoTokenizer
 
-        from elastic_hf.model.loader import resolve_model
+        from elastic_hf.model.loader import resolve_model, set_chat_template
 
         resolved = resolve_model(config.model)
         tokenizer = AutoTokenizer.from_pretrained(resolved.checkpoint_dir)
+        if config.chat_template is not None:   # before the workers load: a bad template fails fast
+            set_chat_template(tokenizer, config.chat_template)
         hf_config = AutoConfig.from_pretrained(resolved.checkpoint_dir)
         deployment = Deployment(config, checkpoint_dir=resolved.checkpoint_dir, model_id=resolved.model_id,
                                 tokenizer=tokenizer, hf_config=hf_config)
         model = cls(deployment)
         report = model.memory_report()
-        log.info("loaded %s on %d worker(s), topology %s: weights %s, KV %d blocks (%s), max_model_len %d",
-                 resolved.model_id, config.num_workers, deployment.topology, format_bytes(report["weights_bytes"]),
+        log.info("loaded %s (%s) on %d worker(s), topology %s: weights %s, KV %d blocks (%s), max_model_len %d",
+                 resolved.model_id, config.dtype, config.num_workers, deployment.topology,
+                 format_bytes(report["weights_bytes"]),
                  report["kv_blocks"], format_bytes(report["kv_bytes"]), deployment.max_model_len)
         return model
 

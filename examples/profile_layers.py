@@ -5,7 +5,7 @@ then serve the model with precision morphing that swaps layers to INT4 in that o
     .venv/bin/python examples/profile_layers.py --samples 8 --seq-len 512 --out smollm2-lis.json   # CLI defaults
 
 The same from a shell: `elastic-hf profile [MODEL] --samples 4 --seq-len 128 --out lis.json`, then
-`elastic-hf serve [MODEL] --morph default --profile lis.json`.
+`elastic-hf serve [MODEL] --morph default --morph-profile lis.json`.
 """
 import argparse
 import sys

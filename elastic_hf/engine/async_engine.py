@@ -3,7 +3,8 @@
 The LLMEngine is not thread-safe, so exactly one background thread owns it: it executes add/abort commands
 from a locked list and runs `step()` while there is work, and sleeps on a condition variable otherwise (no busy
 spin). Outputs travel back to per-request asyncio queues through `loop.call_soon_threadsafe`, so the event loop
-never blocks on a model step and many HTTP clients share one batch.
+never blocks on a model step and many HTTP clients share one batch. With `request_timeout` the engine thread
+aborts a request that runs longer and ends its stream with RequestTimedOut.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from elastic_hf.engine.errors import EngineDeadError, EngineError, EngineOverloaded
+from elastic_hf.engine.errors import (EngineDeadError, EngineDraining, EngineError, EngineOverloaded,
+                                      RequestTimedOut)
 from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.engine.protocol import EngineCore
 from elastic_hf.engine.sampling_params import SamplingParams
@@ -32,6 +34,7 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     accepted: asyncio.Future | None = None   # resolves once add_request ran on the engine thread
     finished: bool = False
+    deadline: float | None = None            # time.monotonic() past which the request times out
 
     def put(self, item) -> bool:
         """Thread-safe put; False when the loop is gone (its consumer can never read again)."""
@@ -85,8 +88,11 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: EngineCore, *, name: str = "elastic-hf-engine"):
+    def __init__(self, engine: EngineCore, *, name: str = "elastic-hf-engine", request_timeout: float | None = None):
         self.engine = engine
+        self.request_timeout = request_timeout
+        self.draining = False    # set by drain(), never cleared: a drained engine is shut down next
+        self._pending_adds = 0   # adds queued or being executed; with `_streams` they make the requests in flight
         self._name = name
         self._cond = threading.Condition()
         self._commands: list[tuple] = []
@@ -125,6 +131,20 @@ class AsyncEngine:
         """Last snapshot taken on the engine thread (refreshed after every step and every command batch)."""
         return dict(self._stats)
 
+    def num_in_flight(self) -> int:
+        """Requests accepted or queued for acceptance and not finished yet (any thread)."""
+        with self._cond:
+            return self._pending_adds + len(self._streams)
+
+    # ---- graceful shutdown: drain, wait until num_in_flight() is 0, abort_all what is left ----
+    def drain(self) -> None:
+        """Refuse new requests (EngineDraining), let those in flight go on; only sets a flag (signal-safe)."""
+        self.draining = True
+
+    def abort_all(self, error: EngineError) -> None:
+        """End every request in flight with `error` (their streams raise it) and free their KV blocks."""
+        self._submit(("fail_all", error))
+
     # ---- lifecycle ----
     def start(self) -> "AsyncEngine":
         if self._thread is not None and self._thread.is_alive():
@@ -160,12 +180,18 @@ class AsyncEngine:
         step each), wait for all acceptances; if any is refused, abort the accepted ones and raise its error."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
+        if self.draining:
+            raise EngineDraining(f"the server is shutting down and takes no new requests "
+                                 f"({self.num_in_flight()} still running); retry on another replica")
         loop = asyncio.get_running_loop()
         request_ids = request_ids or [self.new_request_id() for _ in prompts]
-        streams = [_Stream(rid, loop, accepted=loop.create_future()) for rid in request_ids]
         arrival_time = time.time() if arrival_time is None else arrival_time
+        # counted from `arrival_time` on the monotonic clock, so a wall-clock jump neither expires nor extends it
+        deadline = self.request_timeout and time.monotonic() + self.request_timeout - (time.time() - arrival_time)
+        streams = [_Stream(rid, loop, accepted=loop.create_future(), deadline=deadline) for rid in request_ids]
         with self._cond:
             self._commands.extend(("add", st, prompt, params, arrival_time) for st, prompt in zip(streams, prompts))
+            self._pending_adds += len(streams)
             self._cond.notify()
         try:
             results = await asyncio.gather(*(st.accepted for st in streams), return_exceptions=True)
@@ -225,8 +251,12 @@ class AsyncEngine:
                 stopping = self._stopping
             for command in commands:
                 self._execute(command)
+            with self._cond:  # after the adds entered `_streams`, so num_in_flight never misses one in between
+                self._pending_adds -= sum(1 for command in commands if command[0] == "add")
             if stopping:
                 break
+            if self.request_timeout is not None:
+                self._expire_overdue()
             if self._has_work():
                 self._step()
             self._refresh_stats()
@@ -267,6 +297,8 @@ class AsyncEngine:
                 log.exception("abort_request(%s) failed", request_id)
             if stream is not None:
                 stream.finished = True
+        elif kind == "fail_all":
+            self._fail_all(command[1])
         elif kind == "call":
             _, loop, future, fn, args, kwargs = command
             try:
@@ -305,7 +337,8 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted meanwhile
-            delivered = stream.put(out)
+            # A request the engine failed alone (its sampling raised) ends its stream with the error.
+            delivered = stream.put(EngineError(f"request {out.request_id} failed: {out.error}") if out.error else out)
             if out.finished:
                 self._streams.pop(out.request_id, None)
                 stream.finished = True
@@ -321,6 +354,7 @@ class AsyncEngine:
         if include_pending:  # at shutdown nobody will execute the queued adds
             with self._cond:
                 pending, self._commands = self._commands, []
+                self._pending_adds = 0
             for command in pending:
                 if command[0] == "add":
                     command[1].resolve(exc)
@@ -330,6 +364,15 @@ class AsyncEngine:
                         loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_exception(exc))
                     except RuntimeError:
                         pass
+
+    def _expire_overdue(self) -> None:
+        now = time.monotonic()
+        for request_id, stream in list(self._streams.items()):
+            if stream.deadline is not None and now >= stream.deadline:
+                del self._streams[request_id]
+                self._safe_abort(request_id)
+                stream.finished = True
+                stream.put(RequestTimedOut(f"request aborted after the {self.request_timeout:g} s request timeout"))
 
     def _safe_abort(self, request_id: str) -> None:
         try:

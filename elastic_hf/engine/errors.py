@@ -1,7 +1,8 @@
 """Errors the engine raises across its public surface. Callers map them to responses without parsing messages:
 `InvalidRequest` carries the offending parameter and an OpenAI-style code (HTTP 400), `EngineError` is the engine's
 own failure (HTTP 500, other requests continue), `EngineDeadError` a stopped engine (HTTP 503), `EngineOverloaded` a
-full queue (HTTP 503 with Retry-After)."""
+full queue and `EngineDraining` a server shutting down (HTTP 503 with Retry-After), `RequestTimedOut` a request past
+its time limit (HTTP 504)."""
 from __future__ import annotations
 
 
@@ -27,3 +28,11 @@ class EngineDeadError(EngineError):
 
 class EngineOverloaded(EngineError):
     """Too many requests are queued already (EngineConfig.max_queued_requests): retry later. Nothing changed."""
+
+
+class EngineDraining(EngineOverloaded):
+    """Draining before a shutdown: no new request (an EngineOverloaded, so callers back off the same way)."""
+
+
+class RequestTimedOut(EngineError):
+    """The request ran past the engine's request timeout and was aborted (its KV blocks are free again)."""

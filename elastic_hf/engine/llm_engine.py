@@ -13,7 +13,7 @@ from elastic_hf.engine.detokenizer import Detokenizer
 from elastic_hf.engine.errors import InvalidRequest
 from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
-from elastic_hf.engine.sampler import make_sampler_state, sample
+from elastic_hf.engine.sampler import make_sampler_state, sample, token_logprobs
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import ScheduledSeq, Scheduler
 from elastic_hf.engine.sequence import Request, Sequence, SeqStatus
@@ -39,9 +39,11 @@ class EngineLoad:
 class LLMEngine:
     def __init__(self, runner: Runner, scheduler: Scheduler, tokenizer, *, model_id: str, max_model_len: int,
                  vocab_size: int, eos_token_ids: list[int], metrics: EngineMetrics | None = None,
-                 seq_ids: Iterator[int] | None = None):
+                 seq_ids: Iterator[int] | None = None, request_seeds: Iterator[int] | None = None):
         """seq_ids: where sequence ids come from; engines that exchange sequences (the instances of a deployment)
-        share one counter so ids stay unique and keep meaning admission order."""
+        share one counter so ids stay unique and keep meaning admission order. request_seeds: the seed of each
+        accepted request that brings none (a server's --seed: the instances share one stream, so the k-th request
+        samples alike after a restart); None: a random one."""
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -49,10 +51,11 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
-        self.metrics = metrics or EngineMetrics(model_id)
+        self.metrics = metrics or EngineMetrics(model_id, max_model_len=max_model_len)
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, Request] = {}
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count()
+        self._request_seeds = request_seeds
         self.num_steps = 0
         self.num_computed_prompt_tokens = 0  # prefill work done, including recompute after preemption
         self._reported_preemptions = 0
@@ -80,10 +83,13 @@ class LLMEngine:
         now = arrival_time if arrival_time is not None else time.time()
         seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_ids), len(prompt_ids), params, now)
                 for i in range(params.n)]
+        fallback_seed = next(self._request_seeds) if self._request_seeds is not None else None
         for seq in seqs:
-            seq.sampler_state = make_sampler_state(seq)
+            seq.sampler_state = make_sampler_state(seq, fallback_seed)
             self.scheduler.add(seq)
-        self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, now)
+        self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, now,
+                                            # nothing predicts the first prompt token
+                                            prompt_logprobs=None if params.prompt_logprobs is None else [None])
         self.metrics.on_request_arrived()
         self.metrics.on_prompt_tokens(len(prompt_ids))
         self._update_gauges()
@@ -119,7 +125,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-        self.metrics.on_request_finished("abort")
+        self.metrics.on_request_finished("abort", request)
         self._update_gauges()
 
     def has_unfinished_requests(self) -> bool:
@@ -134,9 +140,12 @@ class LLMEngine:
             self._update_gauges()
             return []
         inputs = [SeqStepInput(s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens],
-                               s.seq.num_computed_tokens, s.seq.block_ids, s.completes_prompt) for s in scheduled]
-        logits = self.runner.execute(inputs)  # [num_sampling, vocab]
+                               s.seq.num_computed_tokens, s.seq.block_ids, s.completes_prompt,
+                               self._wants_prompt_logits(s)) for s in scheduled]
+        logits = self.runner.execute(inputs)  # [rows, vocab]: see Runner.execute
         self.num_steps += 1
+        if any(i.all_logits for i in inputs):
+            logits = self._take_prompt_logprobs(scheduled, inputs, logits)  # -> [num_sampling, vocab]
 
         sampling: list[ScheduledSeq] = []
         for s in scheduled:
@@ -146,21 +155,30 @@ class LLMEngine:
             if s.completes_prompt:
                 sampling.append(s)
             s.seq.num_computed_tokens += s.num_new_tokens
-        tokens = sample(logits, [s.seq for s in sampling]) if sampling else []
+        seqs = [s.seq for s in sampling]
+        tokens, failures = sample(logits, seqs) if sampling else ([], {})
+        touched: dict[str, Request] = {}
+        for row, exc in failures.items():  # that request fails alone; the batch goes on
+            request = self.requests[seqs[row].request_id]
+            self._fail_request(request, f"sampling failed: {type(exc).__name__}: {exc}")
+            touched[request.request_id] = request
+        self._record_logprobs(logits, seqs, tokens)
 
         now = time.time()
-        touched: dict[str, Request] = {}
-        for s, token in zip(sampling, tokens):
-            seq = s.seq
+        for seq, token in zip(seqs, tokens):
+            if token is None or seq.is_finished:
+                continue
             request = self.requests[seq.request_id]
             seq.token_ids.append(token)
             self.metrics.on_generation_tokens(1)
             self._check_finished(seq, token)
             touched[request.request_id] = request
         for request in touched.values():
+            if request.error is not None:
+                continue
             if request.first_token_time is None:
                 request.first_token_time = now
-                self.metrics.observe_ttft(now - request.arrival_time)
+                self.metrics.observe_ttft(now - request.arrival_time, len(request.prompt_token_ids))
                 self._recent_ttft.append(now - request.arrival_time)
             elif request.last_token_time is not None:
                 self.metrics.observe_tpot(now - request.last_token_time)
@@ -170,6 +188,57 @@ class LLMEngine:
         self._update_gauges()
         return outputs
 
+    # ------------------------------------------------------------------ log-probabilities and failures
+    def _wants_prompt_logits(self, s: ScheduledSeq) -> bool:
+        """Does this chunk hold prompt positions whose log-probabilities the request still lacks? Only the first
+        sequence of a request computes them (its siblings share the prompt); a recompute after preemption does not
+        compute them again."""
+        seq = s.seq
+        if seq.params.prompt_logprobs is None or seq.index != 0:
+            return False
+        have = len(self.requests[seq.request_id].prompt_logprobs)   # prompt positions 0 .. have - 1 are done
+        # the chunk's logits predict positions num_computed + 1 .. num_computed + num_new_tokens
+        return have < seq.num_prompt_tokens and seq.num_computed_tokens + s.num_new_tokens >= have
+
+    def _take_prompt_logprobs(self, scheduled: list[ScheduledSeq], inputs: list[SeqStepInput], logits):
+        """Record the prompt log-probabilities in the rows of all_logits inputs; returns the sampling rows only
+        ([num_sampling, vocab], one per input with needs_logits, in order)."""
+        sampling_rows, row = [], 0
+        for s, step_input in zip(scheduled, inputs):
+            rows = len(step_input.token_ids) if step_input.all_logits else int(step_input.needs_logits)
+            if step_input.all_logits:
+                request = self.requests[s.seq.request_id]
+                first = len(request.prompt_logprobs)                       # next prompt position without one
+                last = min(step_input.num_computed + rows, s.seq.num_prompt_tokens - 1)
+                if first <= last:
+                    # row r predicts position num_computed + 1 + r
+                    start = row + first - step_input.num_computed - 1
+                    request.prompt_logprobs.extend(token_logprobs(
+                        logits[start:start + last - first + 1], request.prompt_token_ids[first:last + 1],
+                        [request.params.prompt_logprobs] * (last - first + 1)))
+            if step_input.needs_logits:
+                sampling_rows.append(row + rows - 1)
+            row += rows
+        return logits[sampling_rows]
+
+    @staticmethod
+    def _record_logprobs(logits, seqs: list[Sequence], tokens: list[int | None]) -> None:
+        """Append each sampled token's log-probability to the sequences that asked for them (one batched call)."""
+        rows = [r for r, (seq, token) in enumerate(zip(seqs, tokens))
+                if token is not None and seq.params.logprobs is not None and not seq.is_finished]
+        if not rows:
+            return
+        records = token_logprobs(logits[rows], [tokens[r] for r in rows], [seqs[r].params.logprobs for r in rows])
+        for r, record in zip(rows, records):
+            seqs[r].logprobs.append(record)
+
+    def _fail_request(self, request: Request, message: str) -> None:
+        """End one request with an error (its sampling raised, e.g. on NaN logits); its blocks come back now."""
+        request.error = message
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+
     def _check_finished(self, seq: Sequence, token: int) -> None:
         params = seq.params
         reason = None
@@ -177,12 +246,16 @@ class LLMEngine:
             reason = "stop"
             # The EOS / stop token is not part of the text; keep it out of the output like OpenAI does.
             seq.token_ids.pop()
+            if len(seq.logprobs) > seq.num_output_tokens:
+                seq.logprobs.pop()
         stopped_by_string = self.detokenizer.update(seq)
         if reason is None and stopped_by_string:
             reason = "stop"
         if reason is None and (seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            if not stopped_by_string:
+                self.detokenizer.finish(seq)
             self.scheduler.finish(seq, reason)
 
     def _make_output(self, request: Request) -> RequestOutput:
@@ -191,20 +264,24 @@ class LLMEngine:
             finished = seq.is_finished
             end = self.detokenizer.emittable_length(seq, finished)
             out_ids = seq.output_token_ids
+            wants_logprobs = seq.params.logprobs is not None
             completions.append(CompletionOutput(
                 index=seq.index, text=seq.text[:end], token_ids=list(out_ids),
                 delta_text=seq.text[seq.num_emitted_chars:end],
                 delta_token_ids=list(out_ids[seq.num_emitted_tokens:]),
-                finish_reason=seq.finish_reason))
+                finish_reason=seq.finish_reason,
+                logprobs=list(seq.logprobs) if wants_logprobs else None,
+                delta_logprobs=seq.logprobs[seq.num_emitted_tokens:] if wants_logprobs else None))
             seq.num_emitted_chars = end
             seq.num_emitted_tokens = len(out_ids)
         finished = request.is_finished
         if finished:
             request.finish_time = time.time()
             del self.requests[request.request_id]
-            self.metrics.on_request_finished(request.seqs[0].finish_reason)
+            self.metrics.on_request_finished("error" if request.error else request.seqs[0].finish_reason, request)
         return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished,
-                             request.arrival_time, request.first_token_time, request.finish_time)
+                             request.arrival_time, request.first_token_time, request.finish_time,
+                             request.prompt_logprobs, request.error)
 
     # ------------------------------------------------------------------ requests moving between engines
     def adopt(self, request: Request, block_ids: dict[int, list[int]], recompute: bool = False) -> None:
@@ -257,8 +334,8 @@ class LLMEngine:
 
     def _update_gauges(self) -> None:
         allocator = self.scheduler.allocator
-        self.metrics.set_kv_blocks(allocator.num_used, allocator.num_total)
-        self.metrics.set_queue(len(self.scheduler.waiting), len(self.scheduler.running))
+        self.metrics.set_load(allocator.num_used, allocator.num_total, len(self.scheduler.waiting),
+                              len(self.scheduler.running))
         new_preemptions = self.scheduler.num_preemptions - self._reported_preemptions
         if new_preemptions:
             self.metrics.on_preemption(new_preemptions)

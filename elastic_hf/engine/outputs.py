@@ -1,7 +1,19 @@
-"""What the engine hands back per request: cumulative text/tokens plus the delta since the previous output."""
+"""What the engine hands back per request: cumulative text/tokens plus the delta since the previous output, and
+the log-probabilities a request asked for."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The log-probability of one token under the model's raw output distribution (before temperature, top-k/p and
+    penalties: vLLM's default `raw_logprobs` mode), its rank there (1 = most likely) and the `top` most likely
+    tokens as (token_id, logprob), best first."""
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -11,7 +23,9 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""                    # new since the previous RequestOutput
     delta_token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None        # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None        # "stop" | "length" | "abort" | "error" | None while running
+    logprobs: list[TokenLogprob] | None = None        # one per token in token_ids, when asked for
+    delta_logprobs: list[TokenLogprob] | None = None  # one per token in delta_token_ids, when asked for
 
 
 @dataclass(slots=True)
@@ -23,6 +37,10 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # One per prompt token when asked for: None for the first (nothing predicts it), then how likely the model found
+    # each prompt token given the ones before it.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None                # set when the engine failed this request alone (finish_reason "error")
 
     @property
     def num_generated_tokens(self) -> int:

@@ -3,13 +3,16 @@ the others run their own processor list and their own seeded generator, so a see
 whatever else shares the batch."""
 from __future__ import annotations
 
+import random
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                           TopKLogitsWarper, TopPLogitsWarper)
 
+from elastic_hf.engine.outputs import TokenLogprob
 from elastic_hf.engine.sequence import Sequence
 
 
@@ -20,7 +23,16 @@ class SeqSamplerState:
     uses_history: bool                 # repetition penalty needs the token history
 
 
-def make_sampler_state(seq: Sequence) -> SeqSamplerState:
+def request_seeds(server_seed: int) -> Iterator[int]:
+    """The seeds a server started with --seed gives to requests that bring none, in the order it accepts them:
+    the same request sequence reproduces its samples after a restart."""
+    rng = random.Random(server_seed)
+    while True:
+        yield rng.getrandbits(63)
+
+
+def make_sampler_state(seq: Sequence, fallback_seed: int | None = None) -> SeqSamplerState:
+    """fallback_seed: the seed when the request gives none (see request_seeds); None: a random one."""
     p = seq.params
     processors = LogitsProcessorList()
     if p.repetition_penalty != 1.0:
@@ -33,26 +45,56 @@ def make_sampler_state(seq: Sequence) -> SeqSamplerState:
             processors.append(TopKLogitsWarper(p.top_k))
         if p.top_p < 1.0:
             processors.append(TopPLogitsWarper(p.top_p))
-        base_seed = p.seed if p.seed is not None else secrets.randbits(63)
+        base_seed = p.seed if p.seed is not None else fallback_seed
+        if base_seed is None:
+            base_seed = secrets.randbits(63)
         # n > 1 siblings draw from distinct but reproducible streams.
         generator = torch.Generator().manual_seed((base_seed + 1_000_003 * seq.index) % (2**63))
     return SeqSamplerState(processors, generator, p.repetition_penalty != 1.0)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits: [num_seqs, vocab] fp32, one row per sequence in `seqs`. Returns one token id per sequence."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int | None], dict[int, Exception]]:
+    """logits: [num_seqs, vocab] fp32, one row per sequence in `seqs`. Returns one token id per sequence, and the
+    rows whose sampling raised (NaN logits, a failing logits processor) with their exception: their token is None
+    and only their request fails; the other rows of the batch are unaffected."""
+    tokens: list[int | None] = torch.argmax(logits, dim=-1).tolist()
+    failures: dict[int, Exception] = {}
     for row, seq in enumerate(seqs):
         state: SeqSamplerState = seq.sampler_state
         if not state.processors and state.generator is None:
             continue
-        scores = logits[row:row + 1]  # [1, vocab]
-        if state.processors:
-            history = torch.tensor([seq.token_ids], dtype=torch.long) if state.uses_history else None
-            scores = state.processors(history, scores.clone())
-        if state.generator is None:
-            tokens[row] = int(torch.argmax(scores, dim=-1))
-        else:
-            probs = torch.softmax(scores, dim=-1)
-            tokens[row] = int(torch.multinomial(probs, 1, generator=state.generator))
-    return tokens
+        try:
+            tokens[row] = _sample_row(logits[row:row + 1], seq, state)   # [1, vocab]
+        except Exception as exc:  # noqa: BLE001 - one request's sampling must not fail the batch
+            tokens[row] = None
+            failures[row] = exc
+    return tokens, failures
+
+
+def _sample_row(scores: torch.Tensor, seq: Sequence, state: SeqSamplerState) -> int:
+    if state.processors:
+        history = torch.tensor([seq.token_ids], dtype=torch.long) if state.uses_history else None
+        scores = state.processors(history, scores.clone())
+    if state.generator is None:
+        return int(torch.argmax(scores, dim=-1))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=state.generator))
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
+    """logits: [rows, vocab] raw model output; token_ids: the token of each row whose log-probability is wanted;
+    num_top: how many of the most likely alternatives each row reports. Log-probabilities are of the raw
+    distribution (vLLM's default `raw_logprobs` mode), so they do not depend on the request's sampling options."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)                                    # [rows, vocab]
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device).unsqueeze(1)   # [rows, 1]
+    chosen = logprobs.gather(1, ids)                                                        # [rows, 1]
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    k = max(num_top, default=0)
+    if k:
+        top_values, top_ids = logprobs.topk(k, dim=-1)                                      # [rows, k]
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    result = []
+    for row, (token_id, logprob) in enumerate(zip(token_ids, chosen[:, 0].tolist())):
+        top = list(zip(top_ids[row][:num_top[row]], top_values[row][:num_top[row]])) if num_top[row] else []
+        result.append(TokenLogprob(token_id, logprob, ranks[row], top))
+    return result

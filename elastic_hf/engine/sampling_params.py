@@ -5,6 +5,10 @@ from dataclasses import dataclass, field
 
 from elastic_hf.engine.errors import InvalidRequest
 
+# Most alternatives per token a request may ask for (vLLM's default --max-logprobs, OpenAI's top_logprobs limit):
+# every one is a top-k over the vocabulary at every step.
+MAX_LOGPROBS = 20
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -19,6 +23,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None        # None: none; k >= 0: each output token's log-probability and the top k
+    prompt_logprobs: int | None = None   # the same for every prompt token (OpenAI's echo with logprobs)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,6 +52,12 @@ class SamplingParams:
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
                                  param="stop_token_ids")
+
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequest(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", param=name)
 
     @property
     def is_greedy(self) -> bool:

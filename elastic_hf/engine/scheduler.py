@@ -6,6 +6,7 @@ running sequence is preempted by recompute: its blocks are freed and it goes bac
 its generated tokens appended to its prompt, so no output is lost."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -108,6 +109,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.block_ids.extend(self.allocator.allocate(needed))
             seq.status = SeqStatus.RUNNING
+            if seq.scheduled_time is None:   # the first admission only: a recompute does not queue anew
+                seq.scheduled_time = time.time()
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new

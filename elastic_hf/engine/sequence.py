@@ -23,14 +23,19 @@ class Sequence:
     params: SamplingParams
     arrival_time: float
     status: SeqStatus = SeqStatus.WAITING
+    scheduled_time: float | None = None   # first admission to the running batch: its queue time ends here
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0     # tokens whose K/V are in the cache
     num_preemptions: int = 0
     finish_reason: str | None = None
     text: str = ""                   # detokenized output, stop string removed
+    decoded_text: str = ""           # detokenized output as decoded so far (before stop strings)
+    num_decoded_tokens: int = 0      # output tokens already fed to the detokenizer
+    decode_stream: object = None     # the detokenizer's incremental state (tokenizers.decoders.DecodeStream)
     num_emitted_chars: int = 0       # of `text`, already handed out as deltas
     num_emitted_tokens: int = 0
     sampler_state: object = None     # per-sequence logits processors and RNG, owned by the sampler
+    logprobs: list = field(default_factory=list)   # TokenLogprob per output token, when params.logprobs is set
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -59,6 +64,8 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
+    prompt_logprobs: list | None = None   # TokenLogprob per prompt token (None first), when params.prompt_logprobs
+    error: str | None = None              # why the engine failed this request alone
 
     @property
     def is_finished(self) -> bool:

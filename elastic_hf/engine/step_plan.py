@@ -13,10 +13,13 @@ class SeqStepInput:
     num_computed: int      # tokens already in the KV cache
     block_ids: list[int]
     needs_logits: bool     # last chunk of a prefill, or a decode
+    # Logits of every token of the chunk, not only the last (prompt log-probabilities): the runner then returns
+    # len(token_ids) rows for this input, the last of which is the sampling row when needs_logits.
+    all_logits: bool = False
 
 
 class Runner(Protocol):
     def execute(self, inputs: list[SeqStepInput]):
-        """Run one packed step; returns the logits [num_sampling_seqs, vocab] (a torch tensor, fp32) of the inputs
-        with needs_logits, in their order."""
+        """Run one packed step; returns the logits [rows, vocab] (a torch tensor, fp32) in the inputs' order: one row
+        per input with needs_logits, len(token_ids) rows per input with all_logits, none for the others."""
         ...

@@ -114,6 +114,25 @@ def eos_token_ids(checkpoint_dir: Path, tokenizer=None) -> list[int]:
     return ids
 
 
+def set_chat_template(tokenizer, template: str) -> None:
+    """Replace the tokenizer's chat template (EngineConfig.chat_template: Jinja text or a file holding it). Jinja
+    that does not parse is a ValueError at startup rather than a failure of every chat request later."""
+    import jinja2
+
+    from elastic_hf.config import load_chat_template
+
+    text = load_chat_template(template)
+    tokenizer.chat_template = text
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                      add_generation_prompt=True)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template is not valid Jinja: {exc.message} (line {exc.lineno} of "
+                         f"{text[:200]!r})") from None
+    except Exception:  # noqa: BLE001 - it parses; it may refuse this conversation shape, as requests will learn
+        pass
+
+
 def load_model_and_tokenizer(name_or_path=None, dtype=None, attn_implementation: str = "sdpa"):
     """Convenience for tools (profiler, benchmarks): resolve + load. Returns (model, tokenizer, ResolvedModel)."""
     resolved = resolve_model(name_or_path)

@@ -37,7 +37,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: list, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns logits [num_sampling_seqs, vocab] (fp32) in the order of the inputs that need logits; on a stage
+        """Returns logits [rows, vocab] (fp32) in the inputs' order (one row per input that needs logits, one per
+        token for an input with all_logits: see engine/step_plan.py); on a stage
         that is not the last, the hidden states [T, hidden] of every packed token instead. A stage that is not the
         first takes the previous stage's hidden states `hidden_in` [T, hidden] (same packed order) for the ids."""
         stage = self.stage
@@ -53,7 +54,10 @@ class ModelRunner:
             seq = inputs[i]
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.num_computed, seq.num_computed + len(seq.token_ids)))
-            if seq.needs_logits:
+            if getattr(seq, "all_logits", False):   # every position: prompt log-probabilities
+                logit_rows.extend(range(len(input_ids) - len(seq.token_ids), len(input_ids)))
+                logit_owner.extend([i] * len(seq.token_ids))
+            elif seq.needs_logits:
                 logit_rows.append(len(input_ids) - 1)
                 logit_owner.append(i)
         batch = build_paged_batch(
@@ -72,6 +76,7 @@ class ModelRunner:
             out = self.stage_view.decoder(**tokens, position_ids=pos, use_cache=False, paged_batch=batch)
             return out.last_hidden_state[0]                                                    # [T, hidden]
         # Only the last position of each sampling sequence goes through the LM head (49k vocab rows).
+        # sorted() is stable: the rows of one input stay in position order when they go back to the callers' order.
         keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         out = self.model(**tokens, position_ids=pos, use_cache=False, logits_to_keep=keep, paged_batch=batch)
         logits = out.logits[0].float()  # [num_sampling_seqs, vocab] in packed order

@@ -17,6 +17,7 @@ from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.engine.request_limits import check_request_limits
 from elastic_hf.engine.routing import InstanceLoad, TPPolicy
+from elastic_hf.engine.sampler import request_seeds
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import Scheduler
 from elastic_hf.kv.block_allocator import BlockAllocator
@@ -64,11 +65,8 @@ class Deployment:
         self._scale_down_backoff = 0
         self._capacities: dict[tuple[int, ...], int] = {}
         self.long_request_ids: set[str] = set()
-        # One set of request metrics across every instance engine (engines come and go with reshapes); the
-        # deployment's and the morph metrics live in the same registry, so one /metrics page shows all.
-        self.metrics = EngineMetrics(model_id)
-        self.deployment_metrics = DeploymentMetrics(self.metrics.registry)
-        self.deployment_metrics.set_topology(self.topology)
+        # --seed: one stream of request seeds across the instance engines, drawn in order of acceptance
+        self._request_seeds = request_seeds(config.seed) if config.seed is not None else None
         self.policy = TPPolicy(config, self.degrees)
         self.morph_managers: dict[int, MorphManager] = {}
         self.pool = None
@@ -77,6 +75,13 @@ class Deployment:
             self.pool = self._start_pool()
             self.tp1_blocks = self.pool.call(0, "kv_capacity", 1, 0)  # "long": more than a TP1 instance holds
             self.max_model_len = self._max_model_len()
+            # One set of request metrics across every instance engine (engines come and go with reshapes), whose
+            # gauges always show the whole deployment; the deployment's and the morph metrics live in the same
+            # registry, so one /metrics page shows all.
+            self.metrics = EngineMetrics(model_id, max_model_len=self.max_model_len)
+            self.metrics.load_totals = self._load_totals
+            self.deployment_metrics = DeploymentMetrics(self.metrics.registry)
+            self.deployment_metrics.set_topology(self.topology)
             self.instances = self._build_instances(self.topology)
             if config.morph.enabled:
                 self._start_morph()
@@ -128,7 +133,7 @@ class Deployment:
         engine = LLMEngine(runner, Scheduler(self.config, allocator), self.tokenizer,
                            model_id=self.model_id, max_model_len=self.max_model_len,
                            vocab_size=self.hf_config.vocab_size, eos_token_ids=self.eos_token_ids,
-                           metrics=self.metrics, seq_ids=self._seq_ids)
+                           metrics=self.metrics, seq_ids=self._seq_ids, request_seeds=self._request_seeds)
         return Instance(workers, engine, shape)
 
     def _build_instances(self, topology: Topology) -> list[Instance]:
@@ -269,8 +274,7 @@ class Deployment:
                 raise errors[0]
             self.recover()
         self._maybe_scale_down()
-        if len(self.instances) > 1:
-            self._update_gauges()
+        self.metrics.set_load(*self._load_totals())   # a reshape in this step may have changed the instances
         return outputs
 
     def _maybe_scale_down(self) -> None:
@@ -295,12 +299,12 @@ class Deployment:
             self._scale_down_backoff = SCALE_DOWN_BACKOFF_STEPS
             log.info("scale-down to %s postponed: %s", list(target), exc)
 
-    def _update_gauges(self) -> None:
-        """Deployment-wide totals (each engine sets the shared gauges to its own numbers after its step)."""
+    def _load_totals(self) -> tuple[int, int, int, int]:
+        """KV blocks used and attached, waiting and running sequences over every instance (EngineMetrics.load_totals:
+        kv_cache_usage_perc is used / attached over all of them)."""
         schedulers = [i.engine.scheduler for i in self.instances]
-        self.metrics.set_kv_blocks(sum(s.allocator.num_used for s in schedulers),
-                                   sum(s.allocator.num_total for s in schedulers))
-        self.metrics.set_queue(sum(len(s.waiting) for s in schedulers), sum(len(s.running) for s in schedulers))
+        return (sum(s.allocator.num_used for s in schedulers), sum(s.allocator.num_total for s in schedulers),
+                sum(len(s.waiting) for s in schedulers), sum(len(s.running) for s in schedulers))
 
     def stats(self) -> dict:
         per_instance = [{"workers": list(i.workers), **i.engine.stats()} for i in self.instances]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +94,9 @@ def worker_main(conn, config: EngineConfig, checkpoint_dir: str, worker_id: int,
                 master_port: int) -> None:
     """Process entry: build the Worker, then serve `call(method, *args)` requests until 'shutdown' or EOF."""
     logging.basicConfig(level=os.environ.get("ELASTIC_HF_WORKER_LOG", "WARNING"))
+    # Ctrl+C in a terminal signals the whole process group: the driver decides (a server drains first, a script
+    # closes the deployment), and a worker ends on its 'shutdown' call or when the driver's pipe closes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threads = config.threads_per_worker or max(1, (os.cpu_count() or 1) // config.num_workers)
     torch.set_num_threads(threads)
     # No tqdm bars in workers: they print per process, and tqdm's multiprocessing lock would outlive os._exit.
@@ -183,7 +187,10 @@ class ProcessWorkerPool:
                 self._conns[w].send((method, args))
                 sent.append(w)
             except (BrokenPipeError, OSError) as exc:
-                errors.append(WorkerError(w, method, f"worker process is gone ({exc})"))
+                # as in _receive: reap it, so dead_workers() reports it and the deployment recovers at once
+                self._procs[w].join(timeout=10)
+                errors.append(WorkerError(w, method, f"worker process is gone ({exc}, exit code "
+                                                     f"{self._procs[w].exitcode})"))
         results = {}
         for w in sent:
             try:

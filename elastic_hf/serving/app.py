@@ -7,10 +7,13 @@ OpenAI JSON / SSE. Every client error becomes an OpenAI-style error body and tou
 """
 from __future__ import annotations
 
+import hashlib
+
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from elastic_hf import VERSION
 from elastic_hf.engine.async_engine import AsyncEngine
 from elastic_hf.serving.auth import GuardMiddleware
 from elastic_hf.serving.errors import install_error_handlers
@@ -20,6 +23,12 @@ from elastic_hf.serving.utility_routes import utility_router
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # an 8k-token prompt is under 100 KB as text or as token ids
 
 
+def system_fingerprint(model: str) -> str:
+    """OpenAI's `system_fingerprint`: names the backend (engine version and model) so a client can tell when the
+    server behind a name changed; stable across restarts of the same version on the same model."""
+    return "fp_" + hashlib.sha256(f"elastic-hf {VERSION} {model}".encode()).hexdigest()[:10]
+
+
 def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, model_id: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app serving `async_engine` as `model_id` (default: the engine's). With `api_key`, /v1 routes need
@@ -27,21 +36,25 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, model_id
     model_id = model_id or async_engine.model_id
     app = FastAPI(title="elastic-hf", description="OpenAI-compatible server over elastic-hf")
     app.state.async_engine = async_engine
+    async_engine.metrics.set_model_name(model_id)   # vLLM's series name the served model: dashboards select by it
     install_error_handlers(app)
 
     @app.get("/health")
     async def health():
+        # 503 while draining too, so load balancers stop sending requests while the ones in flight finish
         stats = async_engine.stats()
-        ok = async_engine.is_running
-        return JSONResponse({"status": "ok" if ok else "engine not running", "model": model_id, **stats},
-                            status_code=200 if ok else 503)
+        status = "engine not running" if not async_engine.is_running else \
+            "draining" if async_engine.draining else "ok"
+        return JSONResponse({"status": status, "model": model_id, **stats},
+                            status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(async_engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router(async_engine, model_id=model_id, tokenizer=async_engine.tokenizer,
-                                     max_model_len=async_engine.max_model_len))
+                                     max_model_len=async_engine.max_model_len,
+                                     system_fingerprint=system_fingerprint(async_engine.model_id)))
     app.include_router(utility_router(model_id=model_id, tokenizer=async_engine.tokenizer,
                                       max_model_len=async_engine.max_model_len))
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)

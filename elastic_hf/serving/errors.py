@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from elastic_hf.engine.errors import EngineDeadError, EngineError, EngineOverloaded, InvalidRequest
+from elastic_hf.engine.errors import (EngineDeadError, EngineDraining, EngineError, EngineOverloaded, InvalidRequest,
+                                      RequestTimedOut)
 from elastic_hf.serving import protocol as p
 
 
@@ -28,11 +29,17 @@ def error_response(status: int, message: str, *, type: str = "invalid_request_er
 
 def sse_error_event(exc: BaseException) -> str:
     """The error event of a stream that already sent its 200 status: the same body as `error_response`, as one
-    SSE `data:` line. It is always a server error: input errors are refused before the stream starts."""
-    return f"data: {_body(str(exc), type='server_error', param=None, code='500').model_dump_json()}\n\n"
+    SSE `data:` line. It is always a server error: input errors are refused before the stream starts. A stream
+    the server ends on purpose (request timeout, shutdown) carries the code of that cause, any other failure 500."""
+    on_purpose = isinstance(exc, (RequestTimedOut, EngineDeadError))
+    code = api_error_from_engine(exc).code if on_purpose else "500"
+    return f"data: {_body(str(exc), type='server_error', param=None, code=code).model_dump_json()}\n\n"
 
 
 OVERLOAD_RETRY_AFTER_S = 1   # what a client told to back off by a full queue waits before retrying
+# A draining server does not come back, but a client behind a load balancer reaches another replica on its retry,
+# and the balancer takes a server out within seconds of its /health turning 503.
+DRAIN_RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
@@ -68,12 +75,17 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
 
 def api_error_from_engine(exc: ValueError | EngineError) -> APIError:
     """The HTTP answer to an error from the engine (`AsyncEngine.add_requests`, a request stream, or
-    `SamplingParams`): bad input is a 400 naming the field the engine blames, a stopped engine a 503, any other
-    engine failure a 500."""
+    `SamplingParams`): bad input is a 400 naming the field the engine blames, a stopped, full or draining engine a
+    503, a request past its timeout a 504, any other engine failure a 500."""
     if isinstance(exc, InvalidRequest):
         return APIError(400, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, ValueError):  # bad input the engine did not attribute to one field
         return APIError(400, str(exc))
+    if isinstance(exc, EngineDraining):
+        return APIError(503, str(exc), type="server_error", code="server_draining",
+                        headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
+    if isinstance(exc, RequestTimedOut):
+        return APIError(504, str(exc), type="server_error", code="request_timeout")
     if isinstance(exc, EngineOverloaded):
         return APIError(503, str(exc), type="server_error", code="server_overloaded",
                         headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)})

@@ -14,7 +14,9 @@ from elastic_hf.engine.errors import EngineError
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.serving import protocol as p
 from elastic_hf.serving.errors import APIError, api_error_from_engine, validation_error
-from elastic_hf.serving.streaming import EngineStreamingResponse, chat_chunks, collect, completion_chunks
+from elastic_hf.serving.logprobs_format import LogprobFormatter, joined
+from elastic_hf.serving.streaming import (EngineStreamingResponse, ResponseContext, chat_chunks, collect,
+                                          completion_chunks)
 
 MAX_CHOICES = 128  # n x prompts per HTTP request: one request must not flood the scheduler
 
@@ -74,10 +76,17 @@ def echo_text(tokenizer, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
 
-def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_model_len: int) -> APIRouter:
+def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_model_len: int,
+                  system_fingerprint: str | None = None) -> APIRouter:
     """The /v1 routes serving `async_engine` under the name `model_id`. Errors are raised as APIError: the app
-    needs `errors.install_error_handlers` for them to become OpenAI-style bodies."""
+    needs `errors.install_error_handlers` for them to become OpenAI-style bodies. `system_fingerprint` names the
+    backend configuration in every response (OpenAI's field; clients compare it to tell deployments apart)."""
     router = APIRouter()
+    formatter = LogprobFormatter(tokenizer)
+
+    def context(prefix: str, req: p.SamplingRequest) -> ResponseContext:
+        return ResponseContext(p.new_id(prefix), model_id, system_fingerprint, formatter,
+                               include_usage=req.include_usage, continuous_usage=req.continuous_usage)
 
     async def submit(prompts: list, params: SamplingParams, prefix: str) -> list[RequestStream]:
         try:
@@ -88,7 +97,8 @@ def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_mo
 
     @router.get("/v1/models")
     async def models():
-        return p.ModelList(data=[p.ModelCard(id=model_id, max_model_len=max_model_len)]).model_dump()
+        return p.ModelList(data=[p.ModelCard(id=model_id, root=async_engine.model_id,
+                                             max_model_len=max_model_len)]).model_dump()
 
     @router.post("/v1/completions")
     async def completions(request: Request):
@@ -101,9 +111,10 @@ def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_mo
             raise APIError(400, f"{len(prompts)} prompts x n={params.n} = {len(prompts) * params.n} choices; "
                                 f"at most {MAX_CHOICES} per request", param="n")
         streams = await submit(prompts, params, "cmpl")
-        response_id = p.new_id("cmpl")
+        ctx = context("cmpl", req)
+        wants_logprobs = params.logprobs is not None
         if req.stream:
-            return EngineStreamingResponse(completion_chunks(streams, req, response_id, model_id, params.n), streams)
+            return EngineStreamingResponse(completion_chunks(streams, ctx, params.n, wants_logprobs), streams)
         finals = await collect(streams, request)
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, out in enumerate(finals):
@@ -111,9 +122,15 @@ def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_mo
             prefix = echo_text(tokenizer, prompts[i]) if req.echo else ""
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
+                logprobs = None
+                if wants_logprobs:
+                    logprobs = formatter.completion(o.logprobs, len(prefix))
+                    if req.echo:
+                        logprobs = joined(formatter.echoed_prompt(out.prompt_token_ids, out.prompt_logprobs),
+                                          formatter.completion(o.logprobs))
                 choices.append(p.CompletionChoice(index=i * params.n + o.index, text=prefix + o.text,
-                                                  finish_reason=o.finish_reason))
-        return p.CompletionResponse(id=response_id, model=model_id, choices=choices,
+                                                  logprobs=logprobs, finish_reason=o.finish_reason))
+        return p.CompletionResponse(**ctx.common(), choices=choices,
                                     usage=p.UsageInfo.of(prompt_tokens, completion_tokens)).model_dump()
 
     @router.post("/v1/chat/completions")
@@ -135,13 +152,15 @@ def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_mo
         if params.n > MAX_CHOICES:
             raise APIError(400, f"n={params.n} is beyond the limit of {MAX_CHOICES} choices per request", param="n")
         streams = await submit([prompt_ids], params, "chatcmpl")
-        response_id = p.new_id("chatcmpl")
+        ctx = context("chatcmpl", req)
+        wants_logprobs = params.logprobs is not None
         if req.stream:
-            return EngineStreamingResponse(chat_chunks(streams[0], req, response_id, model_id, params.n), streams)
+            return EngineStreamingResponse(chat_chunks(streams[0], ctx, params.n, wants_logprobs), streams)
         (out,) = await collect(streams, request)
-        choices = [p.ChatChoice(index=o.index, message=p.ChatMessageOut(content=o.text), finish_reason=o.finish_reason)
+        choices = [p.ChatChoice(index=o.index, message=p.ChatMessageOut(content=o.text), finish_reason=o.finish_reason,
+                                logprobs=formatter.chat(o.logprobs) if wants_logprobs else None)
                    for o in out.outputs]
         usage = p.UsageInfo.of(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
-        return p.ChatCompletionResponse(id=response_id, model=model_id, choices=choices, usage=usage).model_dump()
+        return p.ChatCompletionResponse(**ctx.common(), choices=choices, usage=usage).model_dump()
 
     return router

@@ -11,6 +11,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from elastic_hf.engine.errors import InvalidRequest
 from elastic_hf.engine.sampling_params import SamplingParams
 
 
@@ -29,7 +30,8 @@ class ErrorResponse(BaseModel):
 # ---------------------------------------------------------------- shared request fields
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: bool = False           # one last chunk with the request's usage (OpenAI)
+    continuous_usage_stats: bool = False  # usage so far on every chunk (vLLM)
 
 
 class SamplingRequest(BaseModel):
@@ -56,15 +58,14 @@ class SamplingRequest(BaseModel):
     # accepted so clients that always send them work; non-default values are refused (see unsupported())
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: Union[bool, int, None] = None
-    top_logprobs: int | None = None
 
     def unsupported(self) -> list[str]:
         """Names of requested features this server does not implement (a clear 400 beats silently ignoring)."""
-        names = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
-        if self.logprobs or self.top_logprobs:
-            names.append("logprobs")
-        return names
+        return [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
+
+    def logprob_options(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) for SamplingParams: how many alternatives per output / prompt token."""
+        return None, None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Raises ValueError naming the argument and its allowed range."""
@@ -76,11 +77,16 @@ class SamplingRequest(BaseModel):
             top_k=self.top_k or 0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=self.seed, n=self.n, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output)
+            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+            **dict(zip(("logprobs", "prompt_logprobs"), self.logprob_options())))
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingRequest):
@@ -90,6 +96,11 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = None   # the k most likely alternatives of each token (0: only the token's own)
+
+    def logprob_options(self) -> tuple[int | None, int | None]:
+        # with echo, the prompt's tokens are part of the choice's text and get log-probabilities too
+        return self.logprobs, (self.logprobs if self.echo else None)
 
     def unsupported(self) -> list[str]:
         names = super().unsupported()
@@ -135,6 +146,13 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def logprob_options(self) -> tuple[int | None, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest(f"top_logprobs={self.top_logprobs} needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -164,10 +182,19 @@ class UsageInfo(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token (the first echoed prompt token has
+    null log-probability and alternatives)."""
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -176,6 +203,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now)
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -185,10 +213,25 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -197,6 +240,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now)
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -209,7 +253,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -218,6 +262,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=now)
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
 
@@ -226,12 +271,31 @@ class ChatCompletionChunk(BaseModel):
 CompletionChunk = CompletionResponse
 
 
+class ModelPermission(BaseModel):
+    """vLLM's permission record of a served model (clients written for vLLM read it)."""
+    id: str = Field(default_factory=lambda: new_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=now)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "elastic-hf"
+    root: str | None = None       # the checkpoint the served name stands for
+    parent: str | None = None     # a fine-tuned adapter's base (none here)
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

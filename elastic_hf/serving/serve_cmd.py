@@ -34,8 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion in tokens (default: what the model and KV cache allow, "
                              "at most 8192)" + _OWN_DEFAULT)
-    parser.add_argument("--dtype", default=None, choices=("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
-                        help="weight and KV dtype (default: float32)" + _OWN_DEFAULT)
+    parser.add_argument("--dtype", default=None,
+                        choices=("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
+                        help="weight and KV dtype; auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or amx_bf16, "
+                             "float32 otherwise (default: float32)" + _OWN_DEFAULT)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed the requests that bring no 'seed' of their own, in the order they are accepted, so "
+                             "the same requests to a restarted server sample the same outputs (default: random)"
+                        + _OWN_DEFAULT)
+    parser.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                        help="Jinja chat template, as a file path or inline, replacing the model's for "
+                             "/v1/chat/completions (default: the tokenizer's)" + _OWN_DEFAULT)
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="most sequences in one running batch (default: engine default, 64)" + _OWN_DEFAULT)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -51,9 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "freed memory to the KV cache, back to full precision when load falls (MorphServe); "
                              "every TP-1 instance's worker morphs its own layers; manual = only through "
                              "POST /admin/morph")
-    parser.add_argument("--profile", default=None,
+    parser.add_argument("--morph-profile", dest="profile", default=None,
                         help="LIS profile JSON from `elastic-hf profile` giving the swap order "
                              "(default: front to back)" + _OWN_DEFAULT)
+    parser.add_argument("--profile", dest="deprecated_profile", default=None, metavar="MORPH_PROFILE",
+                        help="deprecated alias of --morph-profile (vLLM's --profile means the torch profiler)"
+                        + _OWN_DEFAULT)
     parser.add_argument("--admin-key", default=None,
                         help="bearer key of the /admin routes (/admin/morph, /admin/reshape); without it they answer "
                              "403 "
@@ -88,6 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="queued sequences beyond which new requests get HTTP 503 with Retry-After, so an "
                              "overload never exhausts memory (default: engine default, 1024)" + _OWN_DEFAULT)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds the requests in flight get to finish after SIGTERM/SIGINT; meanwhile new "
+                             "requests get HTTP 503 with Retry-After and /health answers 503 'draining', afterwards "
+                             "the rest end with an error; a second signal exits at once")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds after its arrival at which a request still running is aborted and its KV "
+                             "cache freed: HTTP 504 with code 'request_timeout', or an SSE error event for a stream "
+                             "(default: no limit)" + _OWN_DEFAULT)
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level of server and engine")
 
 
@@ -106,16 +126,24 @@ def engine_config(args: argparse.Namespace):
         if not 0.0 < args.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
         args.memory_budget = str(args.gpu_memory_utilization)
-    options = {name: getattr(args, name) for name in ("dtype", "max_num_seqs", "max_num_batched_tokens",
-                                                       "memory_budget", "kv_cache_memory", "max_model_len", "router",
-                                                       "block_size", "max_stop_strings", "max_stop_string_chars",
-                                                       "max_queued_requests")
+    if args.deprecated_profile is not None:
+        if args.profile is not None:
+            raise ValueError("give --morph-profile alone: --profile is its deprecated alias")
+        # printed, not logged: it must show whatever --log-level says
+        print(f"elastic-hf serve: warning: --profile is deprecated (vLLM's --profile is the torch profiler); use "
+              f"--morph-profile {args.deprecated_profile}", file=sys.stderr)
+        args.profile = args.deprecated_profile
+    options = {name: getattr(args, name) for name in ("dtype", "seed", "chat_template", "max_num_seqs",
+                                                       "max_num_batched_tokens", "memory_budget", "kv_cache_memory",
+                                                       "max_model_len", "router", "block_size", "max_stop_strings",
+                                                       "max_stop_string_chars", "max_queued_requests")
                if getattr(args, name) is not None}
     return EngineConfig(model=args.model, num_workers=args.workers, topology=topology,
                         tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until a signal: 0 after a drain, 1 after a forced exit (a second signal), 2 for bad flag values."""
     import uvicorn
 
     from elastic_hf.elastic_model import ElasticModel
@@ -123,30 +151,39 @@ def run(args: argparse.Namespace) -> int:
     from elastic_hf.serving.admin_morph import admin_morph_router
     from elastic_hf.serving.admin_reshape import admin_reshape_router
     from elastic_hf.serving.app import build_app
+    from elastic_hf.serving.drain import Drain, DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Keys from the environment stay out of `ps`.
     api_key = args.api_key or os.environ.get("ELASTIC_HF_API_KEY") or None
     admin_key = args.admin_key or os.environ.get("ELASTIC_HF_ADMIN_KEY") or None
     try:
+        if args.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout:g}")
+        if args.request_timeout is not None and not args.request_timeout > 0:
+            raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
         model = ElasticModel.from_config(engine_config(args))
     except (ValueError, OSError) as exc:  # bad flag values or a missing model: a message, not a traceback
         print(f"elastic-hf serve: error: {exc}", file=sys.stderr)
         return 2
-    async_engine = AsyncEngine(model.engine).start()
+    async_engine = AsyncEngine(model.engine, request_timeout=args.request_timeout).start()
     app = build_app(async_engine, api_key=api_key, model_id=args.served_model_name or model.model_id,
                     max_body_bytes=args.max_body_bytes)
     app.include_router(admin_morph_router(model, async_engine, admin_key))
     app.include_router(admin_reshape_router(model, async_engine, admin_key))
-    logging.getLogger(__name__).info("serving %s on http://%s:%d with %d worker(s), topology %s (auth %s, admin %s)",
-                                     model.model_id, args.host, args.port, args.workers, model.deployment.topology,
+    logging.getLogger(__name__).info("serving %s (%s) on http://%s:%d with %d worker(s), topology %s (auth %s, "
+                                     "admin %s)", model.model_id, model.config.dtype, args.host, args.port,
+                                     args.workers, model.deployment.topology,
                                      "on" if api_key else "off", "on" if admin_key else "off")
+    # After the drain only responses that already have their last event are open: a few seconds cover a slow reader.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = DrainingServer(config, Drain(async_engine, args.shutdown_timeout))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        server.run()
     finally:
         async_engine.shutdown()
-        model.close()
-    return 0
+        model.close()  # stops the worker processes of a deployment
+    return 1 if server.forced else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,8 +5,8 @@ aborts its request, so a client that leaves never keeps KV blocks busy."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -17,13 +17,9 @@ from elastic_hf.engine.errors import EngineError
 from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.serving import protocol as p
 from elastic_hf.serving.errors import APIError, api_error_from_engine, sse_error_event
+from elastic_hf.serving.logprobs_format import LogprobFormatter
 
 SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_data(obj) -> str:
-    payload = obj.model_dump_json(exclude_none=False) if isinstance(obj, BaseModel) else json.dumps(obj)
-    return f"data: {payload}\n\n"
 
 
 async def collect(streams: list[RequestStream], request: Request) -> list[RequestOutput]:
@@ -120,52 +116,88 @@ class EngineStreamingResponse(StreamingResponse):
                 pass
 
 
-async def completion_chunks(streams: list[RequestStream], req: p.CompletionRequest, response_id: str,
-                            model_id: str, n: int) -> AsyncIterator[str]:
+@dataclass(slots=True)
+class ResponseContext:
+    """What every object of one response shares: one id, one `created` stamp, the model name and fingerprint; and
+    for streams, which usage the client asked for and how token log-probabilities are rendered."""
+    id: str
+    model: str
+    system_fingerprint: str | None
+    formatter: LogprobFormatter
+    created: int = field(default_factory=p.now)
+    include_usage: bool = False      # a last chunk with the usage; every other chunk carries usage: null
+    continuous_usage: bool = False   # the usage so far on every chunk
+
+    def common(self) -> dict:
+        return {"id": self.id, "model": self.model, "created": self.created,
+                "system_fingerprint": self.system_fingerprint}
+
+    def sse(self, chunk: BaseModel) -> str:
+        # OpenAI sends the usage field only when the client asked for usage (stream_options)
+        asked = self.include_usage or self.continuous_usage
+        return f"data: {chunk.model_dump_json(exclude=None if asked else {'usage'})}\n\n"
+
+
+async def completion_chunks(streams: list[RequestStream], ctx: ResponseContext, n: int,
+                            logprobs: bool) -> AsyncIterator[str]:
     """SSE events of /v1/completions: choice index = prompt index * n + the choice's index within its prompt."""
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[tuple[int, int], int] = {}
+    text_offsets: dict[tuple[int, int], int] = {}   # characters of each choice's tokens sent so far
     try:
         async for i, out in _merge(streams):
             prompt_tokens[i] = len(out.prompt_token_ids)
             choices = []
             for o in out.outputs:
-                completion_tokens[(i, o.index)] = len(o.token_ids)
-                if o.delta_text or o.finish_reason is not None:
-                    choices.append(p.CompletionChoice(index=i * n + o.index, text=o.delta_text,
+                key = (i, o.index)
+                completion_tokens[key] = len(o.token_ids)
+                lp = None
+                if logprobs and o.delta_logprobs:
+                    lp = ctx.formatter.completion(o.delta_logprobs, text_offsets.get(key, 0))
+                    text_offsets[key] = lp.text_offset[-1] + len(lp.tokens[-1])
+                if o.delta_text or o.finish_reason is not None or lp is not None:
+                    choices.append(p.CompletionChoice(index=i * n + o.index, text=o.delta_text, logprobs=lp,
                                                       finish_reason=o.finish_reason))
             if choices:
-                yield sse_data(p.CompletionChunk(id=response_id, model=model_id, choices=choices))
-        if req.include_usage:
-            usage = p.UsageInfo.of(sum(prompt_tokens.values()), sum(completion_tokens.values()))
-            yield sse_data(p.CompletionChunk(id=response_id, model=model_id, choices=[], usage=usage))
+                usage = _usage(prompt_tokens, completion_tokens) if ctx.continuous_usage else None
+                yield ctx.sse(p.CompletionChunk(**ctx.common(), choices=choices, usage=usage))
+        if ctx.include_usage:
+            yield ctx.sse(p.CompletionChunk(**ctx.common(), choices=[], usage=_usage(prompt_tokens, completion_tokens)))
     except (EngineError, ValueError) as exc:
         yield sse_error_event(exc)
     yield SSE_DONE
 
 
-async def chat_chunks(stream: RequestStream, req: p.ChatCompletionRequest, response_id: str, model_id: str,
-                      n: int) -> AsyncIterator[str]:
+async def chat_chunks(stream: RequestStream, ctx: ResponseContext, n: int, logprobs: bool) -> AsyncIterator[str]:
     """SSE events of /v1/chat/completions: a role-only chunk per choice first, as OpenAI sends."""
+    prompt_tokens: dict[int, int] = {0: 0}
+    completion_tokens: dict[tuple[int, int], int] = {}
+
     def chunk(choices, usage=None):
-        return sse_data(p.ChatCompletionChunk(id=response_id, model=model_id, choices=choices, usage=usage))
+        if usage is None and ctx.continuous_usage:
+            usage = _usage(prompt_tokens, completion_tokens)
+        return ctx.sse(p.ChatCompletionChunk(**ctx.common(), choices=choices, usage=usage))
 
     # OpenAI sends the role first, with empty content, once per choice
     yield chunk([p.ChatChunkChoice(index=k, delta=p.DeltaMessage(role="assistant", content="")) for k in range(n)])
-    prompt_tokens, completion_tokens = 0, {}
     try:
         async for out in stream:
-            prompt_tokens = len(out.prompt_token_ids)
+            prompt_tokens[0] = len(out.prompt_token_ids)
             choices = []
             for o in out.outputs:
-                completion_tokens[o.index] = len(o.token_ids)
-                if o.delta_text or o.finish_reason is not None:
+                completion_tokens[(0, o.index)] = len(o.token_ids)
+                lp = ctx.formatter.chat(o.delta_logprobs) if logprobs and o.delta_logprobs else None
+                if o.delta_text or o.finish_reason is not None or lp is not None:
                     choices.append(p.ChatChunkChoice(index=o.index, delta=p.DeltaMessage(content=o.delta_text),
-                                                     finish_reason=o.finish_reason))
+                                                     logprobs=lp, finish_reason=o.finish_reason))
             if choices:
                 yield chunk(choices)
-        if req.include_usage:
-            yield chunk([], p.UsageInfo.of(prompt_tokens, sum(completion_tokens.values())))
+        if ctx.include_usage:
+            yield chunk([], _usage(prompt_tokens, completion_tokens))
     except (EngineError, ValueError) as exc:
         yield sse_error_event(exc)
     yield SSE_DONE
+
+
+def _usage(prompt_tokens: dict, completion_tokens: dict) -> p.UsageInfo:
+    return p.UsageInfo.of(sum(prompt_tokens.values()), sum(completion_tokens.values()))

@@ -17,6 +17,13 @@ def _check(model: ElasticModel, reference, prompts, max_new=MAX_NEW):
             f"prompt of {len(prompt)} tokens diverged at topology {model.deployment.topology}"
 
 
+def _hf_logprobs(model, ids):
+    import torch
+
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
 def test_tp2_started_directly_with_uneven_kv_heads_and_biases_matches_hf(tp_checkpoint):
     # Qwen2 (q/k/v biases), 3 KV heads: rank 0 holds 2, rank 1 holds 1. Llama at TP2 is covered by test_reshape.
     path = tp_checkpoint("kv3", "qwen2")
@@ -25,6 +32,12 @@ def test_tp2_started_directly_with_uneven_kv_heads_and_biases_matches_hf(tp_chec
     with ElasticModel.from_pretrained(path, workers=2, tp=2, kv_cache_memory=4 << 20,
                                       max_num_batched_tokens=64) as model:  # chunked prefill shares steps
         _check(model, reference, prompts)
+        # prompt logits of whole chunks come back from rank 0 through the pipe as well
+        out = model.generate(prompts[-1], max_tokens=4, logprobs=1, prompt_logprobs=1)
+        expected = _hf_logprobs(reference, prompts[-1] + out.outputs[0].token_ids)
+        ids = prompts[-1][1:] + out.outputs[0].token_ids
+        got = [r.logprob for r in out.prompt_logprobs[1:] + out.outputs[0].logprobs]
+        assert got == pytest.approx([float(expected[i, t]) for i, t in enumerate(ids)], abs=1e-3)
         num_blocks = model.instances[0].engine.scheduler.allocator.num_total
         assert [r["kv_blocks"] for r in model.memory_report()["workers"]] == [num_blocks, num_blocks]
 

@@ -85,15 +85,24 @@ def _greedy_references(model, prompts, chats) -> tuple[dict, dict]:
     return reference, chat_reference
 
 
-def start_server(model, *, api_key=None, prompts=(), chats=(), max_body_bytes=64 * 1024):
+def start_server(model, *, api_key=None, prompts=(), chats=(), max_body_bytes=64 * 1024, request_timeout=None,
+                 served_model_name=None, admin_key=None):
+    """admin_key: also mount /admin/morph and /admin/reshape behind that key, as `elastic-hf serve` does."""
     import uvicorn
 
     from elastic_hf.engine.async_engine import AsyncEngine
     from elastic_hf.serving.app import build_app
 
     reference, chat_reference = _greedy_references(model, prompts, chats)
-    async_engine = AsyncEngine(model.engine).start()
-    app = build_app(async_engine, api_key=api_key, model_id=model.model_id, max_body_bytes=max_body_bytes)
+    async_engine = AsyncEngine(model.engine, request_timeout=request_timeout).start()
+    served = served_model_name or model.model_id
+    app = build_app(async_engine, api_key=api_key, model_id=served, max_body_bytes=max_body_bytes)
+    if admin_key is not None:
+        from elastic_hf.serving.admin_morph import admin_morph_router
+        from elastic_hf.serving.admin_reshape import admin_reshape_router
+
+        app.include_router(admin_morph_router(model, async_engine, admin_key))
+        app.include_router(admin_reshape_router(model, async_engine, admin_key))
     sock = _free_socket()
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
@@ -105,7 +114,7 @@ def start_server(model, *, api_key=None, prompts=(), chats=(), max_body_bytes=64
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("uvicorn did not start within 30 s")
         time.sleep(0.01)
-    handle = Server(f"http://127.0.0.1:{port}", model.model_id, model, async_engine, api_key, reference,
+    handle = Server(f"http://127.0.0.1:{port}", served, model, async_engine, api_key, reference,
                     chat_reference)
 
     def stop():
@@ -117,3 +126,60 @@ def start_server(model, *, api_key=None, prompts=(), chats=(), max_body_bytes=64
     return handle, stop
 
 
+class StreamingClient(threading.Thread):
+    """One streaming /v1/completions request through the real (sync) `openai` client, in a thread.
+
+    `ready` is set once `ready_after` text chunks arrived (the request is decoding), or when the stream ends
+    earlier. With `leave` (a threading.Event) the client stops reading after `ready_after` chunks, waits for
+    `leave` and then closes its connection mid-stream (`closed_early`). Results: text, chunks, finish_reason,
+    completion_tokens (from the usage chunk), error (any exception, e.g. openai.APIError for an SSE error
+    event). Every wait is bounded by `timeout` (the client's read timeout, and the wait for `leave`)."""
+
+    def __init__(self, server: Server, prompt: str, max_tokens: int, *, ready_after: int = 2,
+                 leave: threading.Event | None = None, timeout: float = 60.0, **extra):
+        super().__init__(daemon=True, name=f"stream-client-{prompt[:12]}")
+        self.server, self.prompt, self.max_tokens = server, prompt, max_tokens
+        self.ready_after, self.leave, self.timeout, self.extra = ready_after, leave, timeout, extra
+        self.ready = threading.Event()
+        self.text, self.chunks = "", 0
+        self.finish_reason: str | None = None
+        self.completion_tokens: int | None = None
+        self.error: BaseException | None = None
+        self.closed_early = False
+        self.text_at: dict[str, str] = {}   # snapshots of `text` taken by `mark(name)` from another thread
+
+    def mark(self, name: str) -> None:
+        self.text_at[name] = self.text
+
+    def run(self) -> None:
+        import openai
+
+        client = openai.OpenAI(base_url=self.server.base_url + "/v1", api_key=self.server.api_key or "none",
+                               max_retries=0, timeout=self.timeout)
+        try:
+            stream = client.completions.create(model=self.server.model_id, prompt=self.prompt,
+                                               max_tokens=self.max_tokens, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}, **self.extra)
+            try:
+                for chunk in stream:
+                    if chunk.usage is not None:
+                        self.completion_tokens = chunk.usage.completion_tokens
+                    for choice in chunk.choices:
+                        self.text += choice.text
+                        self.finish_reason = choice.finish_reason or self.finish_reason
+                        if choice.text:
+                            self.chunks += 1
+                    if self.chunks >= self.ready_after:
+                        self.ready.set()
+                        if self.leave is not None:
+                            if not self.leave.wait(self.timeout):
+                                raise TimeoutError(f"nobody set `leave` within {self.timeout} s")
+                            self.closed_early = True
+                            break
+            finally:
+                stream.close()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            self.error = exc
+        finally:
+            self.ready.set()
+            client.close()

@@ -49,7 +49,10 @@ def _bad_cases(model_id: str, max_body_bytes: int):
         ("top_p above one", "/v1/chat/completions", {**chat, "top_p": 1.5}, 400, ["top_p", "1.5"]),
         ("n zero", "/v1/completions", {**ok, "n": 0}, 400, ["n must be"]),
         ("n too large", "/v1/chat/completions", {**chat, "n": 1000}, 400, ["n=1000", "128"]),
-        ("unsupported logprobs", "/v1/completions", {**ok, "logprobs": 3}, 400, ["logprobs"]),
+        ("too many logprobs", "/v1/completions", {**ok, "logprobs": 21}, 400, ["logprobs", "[0, 20]", "21"]),
+        ("top_logprobs without logprobs", "/v1/chat/completions", {**chat, "top_logprobs": 2}, 400,
+         ["top_logprobs=2", "logprobs: true"]),
+        ("presence penalty", "/v1/completions", {**ok, "presence_penalty": 0.5}, 400, ["presence_penalty"]),
         ("oversize body", "/v1/completions", {**ok, "prompt": "x" * (max_body_bytes + 10)}, 413,
          [str(max_body_bytes)]),
     ]

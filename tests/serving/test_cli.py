@@ -14,9 +14,10 @@ import httpx
 
 SERVE_FLAGS = ["--host", "--port", "--memory-budget", "--max-model-len", "--dtype", "--api-key", "--max-num-seqs",
                "--max-num-batched-tokens", "--log-level", "--served-model-name", "--max-body-bytes", "--admin-key",
-               "--workers", "--tp", "--tp-policy", "--router", "--kv-cache-memory", "--morph", "--profile",
+               "--workers", "--tp", "--tp-policy", "--router", "--kv-cache-memory", "--morph", "--morph-profile",
                "--topology", "--tensor-parallel-size", "--kv-cache-memory-bytes", "--gpu-memory-utilization",
-               "--block-size", "--max-stop-strings", "--max-stop-string-chars"]
+               "--block-size", "--max-stop-strings", "--max-stop-string-chars", "--seed", "--chat-template",
+               "--shutdown-timeout", "--request-timeout"]
 
 
 def _cli() -> list[str]:
