@@ -169,7 +169,7 @@ class ProcessWorkerPool:
             raise WorkerError(worker, method, f"no answer within {timeout:.0f} s")
         try:
             status, result, remote_tb = conn.recv()
-        except (EOFError, ConnectionResetError) as exc:
+        except (EOFError, OSError) as exc:  # OSError: "got end of file during message", killed mid-send
             self._procs[worker].join(timeout=10)  # the pipe closes before the process is reaped
             code = self._procs[worker].exitcode
             raise WorkerError(worker, method, f"worker process died (exit code {code})") from exc

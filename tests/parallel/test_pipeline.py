@@ -128,6 +128,7 @@ def test_pp_stage_holds_only_its_layers(pp_setup):
         dep.reshape([1, 1])
 
 
+@pytest.mark.stress
 @pytest.mark.parametrize("stage", ["weights_first", "kv_migrate", "weights_last", "prepared"])
 def test_fault_before_commit_rolls_a_pp_reshape_back(pp_setup, stage):
     dep, prompts, expected = pp_setup
@@ -154,6 +155,7 @@ def test_micro_batches_are_contiguous_and_balanced():
     assert [len(g) for g in split_micro_batches(seqs[:3], 4)] == [1, 1, 1]
 
 
+@pytest.mark.stress
 def test_worker_killed_after_a_pp_commit_is_replaced(pp_setup):
     dep, prompts, expected = pp_setup
     ids = _submit(dep, prompts[:4])
@@ -221,6 +223,7 @@ def test_four_workers_across_tp_pp_layouts_match_hf(tmp_path_factory):
         assert dep.stats()["num_computed_prompt_tokens"] == sum(len(p) for p in prompts)
 
 
+@pytest.mark.stress
 @pytest.mark.parametrize("failing_worker", [0, 1])
 def test_a_failing_stage_fails_the_step_at_once_and_the_pipeline_serves_on(pp_setup, failing_worker):
     import time

@@ -92,6 +92,7 @@ def test_decoding_across_scale_up_and_down_is_exact_without_recompute(setup):
     assert 'elastic_hf_instances{pp="1",tp="1"} 2.0' in text and "elastic_hf_reshape_seconds_count" in text
 
 
+@pytest.mark.stress
 @pytest.mark.parametrize("stage", RESHAPE_STAGES)
 def test_failure_before_commit_rolls_back(setup, stage):
     dep, prompts, expected, _ = setup
@@ -111,6 +112,7 @@ def test_failure_before_commit_rolls_back(setup, stage):
     assert [done[r] for r in ids] == expected[:4]
 
 
+@pytest.mark.stress
 def test_worker_killed_before_commit_is_replaced_and_old_topology_serves(setup):
     dep, prompts, expected, _ = setup
     ids = _submit(dep, prompts[:4])
@@ -124,6 +126,7 @@ def test_worker_killed_before_commit_is_replaced_and_old_topology_serves(setup):
     assert [done[r] for r in ids] == expected[:4]  # worker 1's requests were recomputed, none was lost
 
 
+@pytest.mark.stress
 def test_worker_killed_after_commit_is_replaced_with_its_shard(setup):
     dep, prompts, expected, _ = setup
     ids = _submit(dep, prompts[:4])

@@ -24,6 +24,8 @@ import pytest
 
 from serving_helpers import PROMPTS, TINY_MAX_MODEL_LEN, start_server
 
+pytestmark = pytest.mark.stress   # see tests/conftest.py
+
 MAX_MODEL_LEN = 1024
 NUM_STREAMS = 8
 DRAINED_MAX_TOKENS = 320               # seconds of decoding with 2 workers on 2 cores: time to probe the drain

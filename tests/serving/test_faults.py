@@ -23,6 +23,8 @@ import pytest
 
 from serving_helpers import PROMPTS, TINY_MAX_MODEL_LEN, StreamingClient, start_server
 
+pytestmark = pytest.mark.stress   # see tests/conftest.py
+
 ADMIN_KEY = "admin-secret"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 LONG_TOKENS = 300   # long enough that every stream is still decoding when the fault hits

