@@ -24,9 +24,10 @@ def tiny_server(serving_checkpoint):
     stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def default_server():
-    """The embedded SmolLM2-135M-Instruct, for a quality check through the real client."""
+    """The embedded SmolLM2-135M-Instruct, for quality and log-probability checks through the real client (one per
+    session: loading it and computing its references takes seconds)."""
     from elastic_hf import ElasticModel
 
     model = ElasticModel.from_pretrained(None, max_model_len=2048, kv_cache_memory=256 << 20)
