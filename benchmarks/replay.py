@@ -277,14 +277,16 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    """`elastic-hf serve` in a subprocess (its own GIL, like a real deployment), stopped with SIGINT."""
+    """An OpenAI-compatible server in a subprocess (its own GIL, like a real deployment), stopped with SIGINT:
+    `elastic-hf serve serve_args...` by default, or `command` (another engine's server; `--port` is appended)."""
 
-    def __init__(self, serve_args: list[str], *, startup_timeout_s: float = 300.0):
+    def __init__(self, serve_args: list[str] = (), *, command: list[str] | None = None, env: dict | None = None,
+                 stdout=None, startup_timeout_s: float = 300.0):
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "elastic_hf.serving.serve_cmd", *serve_args, "--port", str(self.port),
-               "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT)
+        base = command or [sys.executable, "-m", "elastic_hf.serving.serve_cmd", *serve_args, "--log-level", "warning"]
+        cmd = [*base, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=stdout)
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if self.proc.poll() is not None:

