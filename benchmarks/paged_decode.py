@@ -1,8 +1,9 @@
-"""Decode attention of one layer on CPU, fp32: the pure-torch path (one index_select of whole K/V chunks, padded
+"""Decode attention of one layer on CPU, fp32 or bf16 (--dtype): the pure-torch path (one index_select of whole K/V chunks, padded
 to the longest context, then two bmm) vs the native kernel (elastic_hf/native/paged_decode.c, K/V read in place
 from scattered pages, no padding), side by side on the default model's head shape.
 
-    python benchmarks/paged_decode.py [--seqs 32] [--min-ctx 64 --max-ctx 160] [--threads N]
+    python benchmarks/paged_decode.py [--dtype {float32,bfloat16}] [--seqs 32] [--min-ctx 64 --max-ctx 160]
+                                      [--threads N]
 
 The contexts are spread like the throughput benchmark's mid-run (prompts 32-96 tokens plus 32 generated).
 """
@@ -26,6 +27,7 @@ NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16   # Smol
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="K/V and query dtype")
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--min-ctx", type=int, default=64)
     parser.add_argument("--max-ctx", type=int, default=160)
@@ -33,7 +35,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not native_decode_available(torch.float32, torch.device("cpu")):
+    dtype = getattr(torch, args.dtype)
+    if not native_decode_available(dtype, torch.device("cpu")):
         sys.exit("the native kernel is not available here (no C compiler, or ELASTIC_HF_NATIVE=0)")
     print(machine_description())
 
@@ -43,16 +46,16 @@ def main() -> None:
     max_blocks = -(-int(lens.max()) // BLOCK)
     chunks_per_block = NUM_LAYERS * NUM_KV_HEADS * 2
     num_blocks = 4 * num_seqs * max_blocks          # a pool larger than the batch: pages are scattered
-    kv_chunks = torch.randn(num_blocks * chunks_per_block, BLOCK, HEAD_DIM)
+    kv_chunks = torch.randn(num_blocks * chunks_per_block, BLOCK, HEAD_DIM).to(dtype)
     blocks = torch.randperm(num_blocks)[:num_seqs * max_blocks].view(num_seqs, max_blocks)
     head_kv = torch.arange(NUM_KV_HEADS * 2).view(NUM_KV_HEADS, 2)
     chunk_ids = (blocks[:, None, None, :] * chunks_per_block + head_kv[None, :, :, None]).flatten()
     layer_offset = 7 * NUM_KV_HEADS * 2
     ctx = max_blocks * BLOCK
     beyond = torch.arange(ctx)[None, :] >= lens[:, None]
-    bias = torch.zeros(num_seqs, ctx).masked_fill_(beyond, float("-inf"))
+    bias = torch.zeros(num_seqs, ctx, dtype=dtype).masked_fill_(beyond, float("-inf"))
     bias = bias[:, None, None, :].expand(num_seqs, NUM_KV_HEADS, 1, ctx).reshape(num_seqs * NUM_KV_HEADS, 1, ctx)
-    q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM)
+    q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM).to(dtype)
     out = torch.empty_like(q)
     scale = HEAD_DIM ** -0.5
 
@@ -64,13 +67,14 @@ def main() -> None:
         paged_decode_attention(q, kv_chunks, chunk_ids, layer_offset, lens, out, NUM_KV_HEADS, scale)
         return out
 
-    diff = (torch_path() - native_path()).abs().max().item()
+    diff = (torch_path().float() - native_path().float()).abs().max().item()
     t_torch, t_native = best_time(torch_path, 0.5), best_time(native_path, 0.5)
     print(f"{num_seqs} decodes, contexts {int(lens.min())}-{int(lens.max())} (mean {lens.float().mean():.0f}), "
-          f"one layer, max |difference| {diff:.1e}")
+          f"one layer, {args.dtype}, max |difference| {diff:.1e}")
     print(f"  torch chunk gather + bmm  {t_torch * 1e6:8.1f} us")
     print(f"  native in-place kernel    {t_native * 1e6:8.1f} us")
-    print(f"RESULT paged_decode_native_speedup {t_torch / t_native:.3f}")
+    suffix = "" if args.dtype == "float32" else "_bf16"   # the fp32 name predates --dtype
+    print(f"RESULT paged_decode_native_speedup{suffix} {t_torch / t_native:.3f}")
 
 
 if __name__ == "__main__":

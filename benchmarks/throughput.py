@@ -1,8 +1,8 @@
 """Offline throughput: elastic-hf vs HF continuous batching (generate_batch, paged|sdpa) vs HF static-batch
-generate, same prompts, greedy, fp32, in one run.
+generate, same prompts, greedy, all in one dtype (--dtype, default float32), in one run.
 
-    python benchmarks/throughput.py [--num-requests 32] [--max-new-tokens 64] [--min-prompt 32 --max-prompt 96]
-                                    [--repeats 3]
+    python benchmarks/throughput.py [--dtype {float32,bfloat16}] [--num-requests 32] [--max-new-tokens 64]
+                                    [--min-prompt 32 --max-prompt 96] [--repeats 3]
 
 Each engine is loaded once, then timed `--repeats` times, round-robin, so slow phases of a shared machine hit
 every engine alike; the ratios compare medians.
@@ -25,12 +25,12 @@ from common import machine_description, wikitext_prompts  # noqa: E402
 class ElasticRunner:
     label = "elastic-hf"
 
-    def __init__(self, prompts, max_new_tokens, max_num_batched_tokens, checkpoint_dir):
+    def __init__(self, prompts, max_new_tokens, max_num_batched_tokens, checkpoint_dir, dtype):
         from elastic_hf import ElasticModel
 
         self.prompts, self.max_new_tokens = prompts, max_new_tokens
         self.model = ElasticModel.from_pretrained(max_num_batched_tokens=max_num_batched_tokens,
-                                                  max_num_seqs=len(prompts))
+                                                  max_num_seqs=len(prompts), dtype=str(dtype).removeprefix("torch."))
         self.model.generate(prompts[:2], max_tokens=4, ignore_eos=True)  # warm-up
 
     def run(self) -> tuple[float, int]:
@@ -43,10 +43,10 @@ class ElasticRunner:
 class HfStaticRunner:
     label = "HF static generate"
 
-    def __init__(self, prompts, max_new_tokens, max_num_batched_tokens, checkpoint_dir):
+    def __init__(self, prompts, max_new_tokens, max_num_batched_tokens, checkpoint_dir, dtype):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32,
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype,
                                                           attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
         tokenizer.padding_side = "left"
@@ -69,10 +69,10 @@ class HfStaticRunner:
 class HfGenerateBatchRunner:
     label = "HF generate_batch (paged|sdpa)"
 
-    def __init__(self, prompts, max_new_tokens, max_num_batched_tokens, checkpoint_dir):
+    def __init__(self, prompts, max_new_tokens, max_num_batched_tokens, checkpoint_dir, dtype):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32,
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype,
                                                           attn_implementation="paged|sdpa")
         self.config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1,
                                        min_new_tokens=max_new_tokens)
@@ -93,6 +93,8 @@ RUNNERS = {"elastic": ElasticRunner, "hf_cb": HfGenerateBatchRunner, "hf_static"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="weights and activations of every engine")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--min-prompt", type=int, default=32, help="shortest prompt, tokens")
@@ -110,12 +112,13 @@ def main() -> None:
     _, tokenizer, _ = load_model_and_tokenizer(None)
     prompts = wikitext_prompts(tokenizer, args.num_requests, args.min_prompt, args.max_prompt)
     print(f"machine: {machine_description()}")
-    print(f"model: SmolLM2-135M-Instruct fp32; {args.num_requests} requests x {args.max_new_tokens} new tokens, "
+    dtype = getattr(torch, args.dtype)
+    print(f"model: SmolLM2-135M-Instruct {args.dtype}; {args.num_requests} requests x {args.max_new_tokens} new tokens, "
           f"greedy; prompts {args.min_prompt}-{args.max_prompt} tokens from wikitext2 "
           f"({sum(map(len, prompts))} prompt tokens); {args.repeats} interleaved runs per engine")
 
     names = [n for n in RUNNERS if n not in args.skip]
-    runners = {name: RUNNERS[name](prompts, args.max_new_tokens, args.max_num_batched_tokens, checkpoint_dir)
+    runners = {name: RUNNERS[name](prompts, args.max_new_tokens, args.max_num_batched_tokens, checkpoint_dir, dtype)
                for name in tqdm(names, desc="loading engines")}
     samples: dict[str, list[float]] = {name: [] for name in names}
     with tqdm(total=args.repeats * len(names), desc="timed runs") as bar:
@@ -130,14 +133,15 @@ def main() -> None:
     print("\nmedian tok/s (min-max):")
     for name in names:
         print(f"  {runners[name].label:32s} {tok_per_s[name]:7.1f}  ({min(samples[name]):.1f}-{max(samples[name]):.1f})")
+    suffix = "" if args.dtype == "float32" else "_bf16"   # the fp32 names predate --dtype
     if "elastic" in tok_per_s:
         for name in ("hf_cb", "hf_static"):
             if name in tok_per_s:
                 print(f"elastic-hf / {runners[name].label}: {tok_per_s['elastic'] / tok_per_s[name]:.2f}x")
         if "hf_cb" in tok_per_s:
-            print(f"RESULT throughput_vs_hf_cb {tok_per_s['elastic'] / tok_per_s['hf_cb']:.3f}")
+            print(f"RESULT throughput_vs_hf_cb{suffix} {tok_per_s['elastic'] / tok_per_s['hf_cb']:.3f}")
         if "hf_static" in tok_per_s:
-            print(f"RESULT throughput_vs_hf_static {tok_per_s['elastic'] / tok_per_s['hf_static']:.3f}")
+            print(f"RESULT throughput_vs_hf_static{suffix} {tok_per_s['elastic'] / tok_per_s['hf_static']:.3f}")
 
 
 if __name__ == "__main__":

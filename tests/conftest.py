@@ -6,12 +6,13 @@ import pytest
 def pytest_collection_modifyitems(config, items):
     # The standalone copy (tests/test_standalone.py re-runs the suite in a clean copy) checks that the repository
     # stands on its own, i.e. which files a run reads. Stress tests (fault drills, drains, the soak) exercise runtime
-    # behaviour over code and files the rest of the suite reads too; running them twice would cost minutes of CI.
+    # behaviour over code and files the rest of the suite reads too, and `outer_only` tests repeat a path tested
+    # elsewhere in another dtype or layout; running them twice would cost minutes of CI.
     if os.environ.get("ELASTIC_HF_STANDALONE_CLONE"):
-        skip_stress = pytest.mark.skip(reason="stress tests run in the outer run only, not in the standalone copy")
+        skip_outer = pytest.mark.skip(reason="runs in the outer run only, not in the standalone copy")
         for item in items:
-            if "stress" in item.keywords:
-                item.add_marker(skip_stress)
+            if "stress" in item.keywords or "outer_only" in item.keywords:
+                item.add_marker(skip_outer)
     # GPU tests run only on device machines; elsewhere they skip instead of failing on a missing CUDA.
     import torch
 

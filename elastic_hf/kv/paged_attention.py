@@ -56,8 +56,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q = query[0, :, rows_slice].transpose(0, 1)                     # [B, num_heads, hd]
     scale = scaling if scaling is not None else head_dim ** -0.5
     layer_chunk_offset = local_layer * layout.chunks_per_layer
-    if native_decode_available(query.dtype, query.device):
-        # fp32 on the CPU: the C kernel reads every decode's K/V in place from its pages.
+    if query.dtype == pool.chunks.dtype and native_decode_available(query.dtype, query.device):
+        # fp32 or bf16 on the CPU: the C kernel reads every decode's K/V in place from its pages.
         paged_decode_attention(q, pool.chunks, d.chunk_ids, layer_chunk_offset, d.lens, out[rows_slice],
                                num_kv_heads, scale)
     else:

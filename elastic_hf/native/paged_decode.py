@@ -1,4 +1,4 @@
-"""ctypes binding of paged_decode.c: fp32 decode attention that reads K/V in place from the KV arena."""
+"""ctypes binding of paged_decode.c: decode attention that reads fp32 or bf16 K/V in place from the KV arena."""
 from __future__ import annotations
 
 import ctypes
@@ -11,12 +11,16 @@ from elastic_hf.native.build import load_library
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
+# KV arena dtype -> exported entry point (queries and outputs cross the boundary as fp32 in both)
+_ENTRY_POINTS = {torch.float32: "elastic_paged_decode_f32", torch.bfloat16: "elastic_paged_decode_bf16kv"}
+
+
 @cache
-def _kernel():
+def _kernel(kv_dtype: torch.dtype):
     lib = load_library("paged_decode")
-    if lib is None:
+    if lib is None or kv_dtype not in _ENTRY_POINTS:
         return None
-    fn = lib.elastic_paged_decode_f32
+    fn = getattr(lib, _ENTRY_POINTS[kv_dtype])
     fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
                    _int, _int, _int, _int, _int, _int, _float, _int]
     fn.restype = _int
@@ -24,7 +28,7 @@ def _kernel():
 
 
 def native_decode_available(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and _kernel() is not None
+    return device.type == "cpu" and _kernel(dtype) is not None
 
 
 def paged_decode_attention(q: torch.Tensor, kv_chunks: torch.Tensor, chunk_table: torch.Tensor,
@@ -32,30 +36,44 @@ def paged_decode_attention(q: torch.Tensor, kv_chunks: torch.Tensor, chunk_table
                            num_kv_heads: int, scale: float) -> None:
     """Writes the attention output of one decode token per sequence into `out`.
 
-    q:           [S, num_heads, head_dim] fp32, head_dim contiguous (seq and head strides may be anything)
-    kv_chunks:   [num_chunks, block_size, head_dim] fp32, contiguous (KVPagePool.chunks)
+    q:           [S, num_heads, head_dim] in the KV dtype, head_dim contiguous (seq and head strides may be anything)
+    kv_chunks:   [num_chunks, block_size, head_dim] fp32 or bf16, contiguous (KVPagePool.chunks)
     chunk_table: [S * num_kv_heads * 2 * max_blocks] int64, contiguous: chunk ids of layer 0 ordered
                  (seq, kv head, K/V, block); only the first ceil(ctx_len / block_size) blocks are read
     ctx_lens:    [S] int64, contiguous, each in [1, max_blocks * block_size]
-    out:         [S, num_heads, head_dim] fp32, head and head_dim contiguous"""
+    out:         [S, num_heads, head_dim] in the KV dtype, head and head_dim contiguous
+
+    With bf16 K/V the kernel still takes fp32 queries and writes fp32 outputs (it computes in fp32), so q is
+    widened and the result narrowed here: [S, num_heads, head_dim] each, small next to the K/V it reads."""
     num_seqs, num_heads, head_dim = q.shape
     block_size = kv_chunks.shape[1]
     max_blocks = chunk_table.numel() // max(1, num_seqs * num_kv_heads * 2)
-    if q.stride(2) != 1:
-        q = q.contiguous()
+    kernel = _kernel(kv_chunks.dtype)
+    if kernel is None:
+        raise ValueError(f"no native decode kernel for {kv_chunks.dtype} K/V (fp32 and bf16 have one)")
+    if q.dtype != kv_chunks.dtype or out.dtype != kv_chunks.dtype:
+        raise ValueError(f"q ({q.dtype}) and out ({out.dtype}) must have the K/V dtype {kv_chunks.dtype}")
     if out.stride(2) != 1 or out.stride(1) != head_dim:
         raise ValueError(f"out must have contiguous heads, got strides {tuple(out.stride())}")
+    result = out
+    if kv_chunks.dtype != torch.float32:
+        q = q.float()
+        out = torch.empty(out.shape, dtype=torch.float32)
+    elif q.stride(2) != 1:
+        q = q.contiguous()
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if chunk_table.numel() != num_seqs * num_kv_heads * 2 * max_blocks or ctx_lens.numel() != num_seqs:
         raise ValueError(f"chunk_table has {chunk_table.numel()} ids and ctx_lens {ctx_lens.numel()} entries for "
                          f"{num_seqs} sequences x {num_kv_heads} kv heads")
-    status = _kernel()(q.data_ptr(), q.stride(0), q.stride(1), kv_chunks.data_ptr(), chunk_table.data_ptr(),
-                       layer_chunk_offset, ctx_lens.data_ptr(), out.data_ptr(), out.stride(0),
-                       num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
-                       torch.get_num_threads())
+    status = kernel(q.data_ptr(), q.stride(0), q.stride(1), kv_chunks.data_ptr(), chunk_table.data_ptr(),
+                    layer_chunk_offset, ctx_lens.data_ptr(), out.data_ptr(), out.stride(0),
+                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
+                    torch.get_num_threads())
     if status == -2:
         raise ValueError(f"the native decode kernel takes head_dim <= 1024, got {head_dim}")
     if status != 0:
         raise MemoryError(f"paged decode attention could not allocate its score buffer "
                           f"({max_blocks * block_size} floats per thread)")
+    if out is not result:
+        result.copy_(out)

@@ -14,30 +14,36 @@ pytestmark = pytest.mark.skipif(not build.native_enabled() or build._compiler() 
                                 reason="no C compiler here (or ELASTIC_HF_NATIVE=0)")
 
 
+# bf16: the kernel widens K/V and q exactly and computes in fp32, so the only error is the output's bf16 rounding
+TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (24, 4, 4), (64, 8, 1)])
-def test_kernel_matches_sdpa(head_dim, num_heads, num_kv_heads):
-    assert native_decode_available(torch.float32, torch.device("cpu"))
+def test_kernel_matches_sdpa(head_dim, num_heads, num_kv_heads, dtype):
+    assert native_decode_available(dtype, torch.device("cpu"))
     torch.manual_seed(head_dim + num_heads)
     block, num_seqs, chunks_per_block, layer = 16, 5, 3 * num_kv_heads * 2, 2
     lens = torch.tensor([1, 16, 17, 40, 63])                       # inside a block, exactly one, one past
     max_blocks = -(-int(lens.max()) // block)
-    kv_chunks = torch.randn(200 * chunks_per_block, block, head_dim)
+    kv_chunks = torch.randn(200 * chunks_per_block, block, head_dim).to(dtype)
     blocks = torch.randperm(200)[:num_seqs * max_blocks].view(num_seqs, max_blocks)   # scattered pages
     head_kv = torch.arange(num_kv_heads * 2).view(num_kv_heads, 2)
     table = (blocks[:, None, None, :] * chunks_per_block + head_kv[None, :, :, None]).flatten()
     layer_offset = layer * num_kv_heads * 2
     # the query as HF hands it over: [1, heads, T, hd] transposed from [T, heads, hd], decodes at rows 3..7
-    packed = torch.randn(1, 3 + num_seqs + 2, num_heads, head_dim).transpose(1, 2)
+    packed = torch.randn(1, 3 + num_seqs + 2, num_heads, head_dim).to(dtype).transpose(1, 2)
     q = packed[0, :, 3:3 + num_seqs].transpose(0, 1)                    # [S, heads, hd], non-contiguous
-    out = torch.full((num_seqs, num_heads, head_dim), float("nan"))
+    out = torch.full((num_seqs, num_heads, head_dim), float("nan"), dtype=dtype)
 
     paged_decode_attention(q, kv_chunks, table, layer_offset, lens, out, num_kv_heads, 0.125)
 
-    ctx = kv_chunks[table + layer_offset].view(num_seqs, num_kv_heads, 2, max_blocks * block, head_dim)
+    # the reference in fp32 on the same (bf16-exact) values
+    ctx = kv_chunks[table + layer_offset].float().view(num_seqs, num_kv_heads, 2, max_blocks * block, head_dim)
     for s, n in enumerate(lens.tolist()):
-        ref = F.scaled_dot_product_attention(q[s][:, None], ctx[s, :, 0, :n], ctx[s, :, 1, :n], scale=0.125,
-                                             enable_gqa=True)[:, 0]
-        torch.testing.assert_close(out[s], ref, rtol=1e-5, atol=1e-5)
+        ref = F.scaled_dot_product_attention(q[s][:, None].float(), ctx[s, :, 0, :n], ctx[s, :, 1, :n],
+                                             scale=0.125, enable_gqa=True)[:, 0]
+        torch.testing.assert_close(out[s].float(), ref, **TOLERANCES[dtype])
 
 
 def test_library_is_cached_and_a_failing_compiler_falls_back(tmp_path, monkeypatch, caplog):

@@ -200,6 +200,7 @@ def test_reshape_to_less_kv_preempts_and_reports(pp_checkpoint):
             assert [done[r] for r in ids] == expected
 
 
+@pytest.mark.outer_only  # four workers: the two-worker layouts above cover the same code and files
 def test_four_workers_across_tp_pp_layouts_match_hf(tmp_path_factory):
     """4 workers, 4 KV heads, 4 layers: [2,2] -> 2x2 -> 1x4 -> [2,1x2] -> [2,2] while requests decode."""
     from tiny_models import build_tiny_checkpoint

@@ -42,6 +42,7 @@ def test_tp2_started_directly_with_uneven_kv_heads_and_biases_matches_hf(tp_chec
         assert [r["kv_blocks"] for r in model.memory_report()["workers"]] == [num_blocks, num_blocks]
 
 
+@pytest.mark.outer_only  # four workers: the two-worker tests cover the same code and files
 def test_tp4_and_tp2_plus_two_tp1_match_hf_across_reshapes(tp_checkpoint):
     """4 workers, 4 KV heads: [1,1,1,1] -> [4] -> [2,1,1] with requests decoding across both reshapes."""
     from elastic_hf.engine.sampling_params import SamplingParams
