@@ -30,7 +30,7 @@ class ElasticRunner:
 
         self.prompts, self.max_new_tokens = prompts, max_new_tokens
         self.model = ElasticModel.from_pretrained(max_num_batched_tokens=max_num_batched_tokens,
-                                                  max_num_seqs=len(prompts), dtype=str(dtype).removeprefix("torch."))
+                                                  max_num_seqs=len(prompts), dtype=dtype)
         self.model.generate(prompts[:2], max_tokens=4, ignore_eos=True)  # warm-up
 
     def run(self) -> tuple[float, int]:

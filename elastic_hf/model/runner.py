@@ -1,7 +1,7 @@
 """Data plane of one worker: turns a scheduled step into one packed varlen forward of the HF model and returns the
 logits of the sequences that sample this step. It implements the engine's Runner protocol; a step's inputs are the
-engine's SeqStepInput records (engine/step_plan.py: token_ids, num_computed, block_ids, needs_logits), read by
-attribute so this lower package does not import the engine.
+engine's SeqStepInput records (engine/step_plan.py: token_ids, num_computed, block_ids, needs_logits,
+all_logits), read by attribute so this lower package does not import the engine.
 
 On a pipeline stage (model/stage.py) the runner runs only the stage's layers: a later stage takes the previous
 stage's hidden states instead of token ids, and every stage but the last returns hidden states instead of logits."""
@@ -54,7 +54,7 @@ class ModelRunner:
             seq = inputs[i]
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.num_computed, seq.num_computed + len(seq.token_ids)))
-            if getattr(seq, "all_logits", False):   # every position: prompt log-probabilities
+            if seq.all_logits:   # every position: prompt log-probabilities
                 logit_rows.extend(range(len(input_ids) - len(seq.token_ids), len(input_ids)))
                 logit_owner.extend([i] * len(seq.token_ids))
             elif seq.needs_logits:

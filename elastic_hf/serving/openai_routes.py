@@ -123,11 +123,11 @@ def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_mo
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
                 logprobs = None
-                if wants_logprobs:
-                    logprobs = formatter.completion(o.logprobs, len(prefix))
-                    if req.echo:
-                        logprobs = joined(formatter.echoed_prompt(out.prompt_token_ids, out.prompt_logprobs),
-                                          formatter.completion(o.logprobs))
+                if wants_logprobs and req.echo:   # the echoed prompt's tokens first, then the completion's
+                    logprobs = joined(formatter.echoed_prompt(out.prompt_token_ids, out.prompt_logprobs),
+                                      formatter.completion(o.logprobs))
+                elif wants_logprobs:
+                    logprobs = formatter.completion(o.logprobs)
                 choices.append(p.CompletionChoice(index=i * params.n + o.index, text=prefix + o.text,
                                                   logprobs=logprobs, finish_reason=o.finish_reason))
         return p.CompletionResponse(**ctx.common(), choices=choices,

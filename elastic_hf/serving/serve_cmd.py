@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from elastic_hf.serving.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, DrainingServer
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # Appended to help texts that explain their own default: the empty format keeps argparse's
 # ArgumentDefaultsHelpFormatter from adding a misleading "(default: None)".
@@ -100,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="queued sequences beyond which new requests get HTTP 503 with Retry-After, so an "
                              "overload never exhausts memory (default: engine default, 1024)" + _OWN_DEFAULT)
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="seconds the requests in flight get to finish after SIGTERM/SIGINT; meanwhile new "
                              "requests get HTTP 503 with Retry-After and /health answers 503 'draining', afterwards "
                              "the rest end with an error; a second signal exits at once")
@@ -151,7 +153,6 @@ def run(args: argparse.Namespace) -> int:
     from elastic_hf.serving.admin_morph import admin_morph_router
     from elastic_hf.serving.admin_reshape import admin_reshape_router
     from elastic_hf.serving.app import build_app
-    from elastic_hf.serving.drain import Drain, DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Keys from the environment stay out of `ps`.

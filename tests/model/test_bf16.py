@@ -3,9 +3,10 @@ tests/morph/test_bf16_base.py).
 
 Tolerance policy for bf16 near-ties. Two bf16 engines that sum in different orders (the paged kernels against HF's
 SDPA, oneDNN's blocking against ATen's) disagree in the last bits of a logit, and bf16 has 8 significant bits: a
-logit of 15 is rounded to a multiple of 0.0625. So greedy tokens must be equal up to the first position where HF's
-two best logits lie within TIE_MARGIN of each other; there the engine may take the other one, and the two
-continuations are not compared further (their contexts differ). A divergence anywhere HF's choice is clear fails."""
+logit of 15 is rounded to a multiple of 0.0625. So greedy tokens must be equal up to the first position where they
+differ; there HF's logit for the engine's token must lie within TIE_MARGIN of HF's own choice (a near-tie), and the
+two continuations are not compared further (their contexts differ). A divergence anywhere HF's choice is clear
+fails."""
 from __future__ import annotations
 
 import pytest

@@ -68,6 +68,28 @@ class Server:
         raise KeyError(f"{name}{{{labels}}} not in /metrics")
 
 
+def free_port() -> int:
+    """A loopback port free now, for a server subprocess to bind."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_healthy(proc, base: str, timeout_s: float, output=lambda: "") -> None:
+    """Poll /health of the server subprocess `proc` (at `base`) until it answers 200; fails with the server's
+    `output()` when the process exits first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"server exited early:\n{output()}"
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"server not healthy in {timeout_s:.0f} s:\n{output()}"
+        time.sleep(0.2)
+
+
 def _free_socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

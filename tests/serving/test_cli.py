@@ -8,9 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
+
+from serving_helpers import free_port, wait_until_healthy
 
 SERVE_FLAGS = ["--host", "--port", "--memory-budget", "--max-model-len", "--dtype", "--api-key", "--max-num-seqs",
                "--max-num-batched-tokens", "--log-level", "--served-model-name", "--max-body-bytes", "--admin-key",
@@ -51,12 +52,6 @@ def test_serve_help_explains_every_flag():
     assert all(action.help for action in parser._actions), [a.dest for a in parser._actions if not a.help]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _non_loopback_address() -> str | None:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -69,20 +64,13 @@ def _non_loopback_address() -> str | None:
 
 def start_cli_server(args: list[str], env: dict, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
     """`elastic-hf serve ARGS --port P` as a subprocess, returned once /health answers."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(_cli() + ["serve", *args, "--port", str(port)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, f"server exited early: {proc.stdout.read()}"
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"server did not become healthy in {timeout_s:.0f} s"
-        time.sleep(0.2)
+    # the output is read only once the server has exited (a live pipe's read would block)
+    wait_until_healthy(proc, base, timeout_s, output=lambda: proc.stdout.read() if proc.poll() is not None else "")
+    return proc, base
 
 
 def stop_cli_server(proc: subprocess.Popen) -> None:

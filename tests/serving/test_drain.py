@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from serving_helpers import PROMPTS, TINY_MAX_MODEL_LEN, start_server
+from serving_helpers import PROMPTS, TINY_MAX_MODEL_LEN, free_port, start_server, wait_until_healthy
 
 pytestmark = pytest.mark.stress   # see tests/conftest.py
 
@@ -39,24 +38,13 @@ class ServeProcess:
     workers included), output in a file (a pipe nobody reads could block the server)."""
 
     def __init__(self, args: list[str], start_timeout_s: float = 120):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "elastic_hf.serving.serve_cmd", *args, "--port", str(port),
                                       "--log-level", "warning"], stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            assert self.proc.poll() is None, f"server exited early:\n{self.output()}"
-            try:
-                if httpx.get(self.base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"server not healthy in {start_timeout_s:.0f} s:\n{self.output()}"
-            time.sleep(0.2)
+        wait_until_healthy(self.proc, self.base, start_timeout_s, self.output)
         self.model_id = httpx.get(self.base + "/v1/models", timeout=10).json()["data"][0]["id"]
 
     def output(self) -> str:
