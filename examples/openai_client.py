@@ -32,7 +32,8 @@ def start_server(model: str | None, port: int, api_key: str, kv_cache_memory: st
     """`elastic-hf serve` in a subprocess (the console script next to this Python, or `python -m`)."""
     script = shutil.which("elastic-hf", path=os.path.dirname(sys.executable))
     cmd = [script] if script else [sys.executable, "-m", "elastic_hf.serving.cli"]
-    cmd += ["serve", *([model] if model else []), "--port", str(port), "--api-key", api_key,
+    # --api-key=KEY in one argument: a random url-safe key may start with "-", which argparse would take for a flag
+    cmd += ["serve", *([model] if model else []), "--port", str(port), f"--api-key={api_key}",
             "--kv-cache-memory", kv_cache_memory, "--log-level", "warning"]
     print(f"starting: elastic-hf serve {model or '(default model)'} on port {port}")
     return subprocess.Popen(cmd)
