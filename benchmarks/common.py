@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import platform
 import random
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -73,3 +75,36 @@ def restart_and_reprefill(model_path, state: list[list[int]], **options) -> tupl
         return time.perf_counter() - started, dep.stats()["num_computed_prompt_tokens"]
     finally:
         model.close()
+
+
+class InProcessServer:
+    """One ElasticModel behind the OpenAI app and the admin morph routes (key "bench"), served by uvicorn in a
+    thread of this process, so a benchmark can read the deployment between requests."""
+
+    def __init__(self, model):
+        import uvicorn
+
+        from elastic_hf.engine.async_engine import AsyncEngine
+        from elastic_hf.serving.admin_morph import admin_morph_router
+        from elastic_hf.serving.app import build_app
+
+        self.model = model
+        self.async_engine = AsyncEngine(model.engine).start()
+        if model.morph is not None:   # swaps then run at the engine thread's step boundaries (as `serve` does)
+            model.morph.attach_driver(self.async_engine.wake)
+        app = build_app(self.async_engine, model_id=model.model_id)
+        app.include_router(admin_morph_router(model, self.async_engine, "bench"))
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.async_engine.shutdown()
+        self.sock.close()

@@ -14,47 +14,15 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description  # noqa: E402
+from common import InProcessServer, machine_description  # noqa: E402
 from replay import (TRACE_NAME, TraceScale, build_requests, load_trace, run_replay, scale_trace,  # noqa: E402
                     time_scale_for_rate)
-
-
-class InProcessServer:
-    """One ElasticModel behind the OpenAI app and the admin morph routes, served by uvicorn in a thread."""
-
-    def __init__(self, model):
-        import uvicorn
-
-        from elastic_hf.engine.async_engine import AsyncEngine
-        from elastic_hf.serving.admin_morph import admin_morph_router
-        from elastic_hf.serving.app import build_app
-
-        self.model = model
-        self.async_engine = AsyncEngine(model.engine).start()
-        app = build_app(self.async_engine, model_id=model.model_id)
-        app.include_router(admin_morph_router(model, self.async_engine, "bench"))
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.async_engine.shutdown()
-        self.sock.close()
 
 
 class Recorder:

@@ -77,6 +77,40 @@ class MorphConfig:
         return "awq" if self.calib_path else "rtn"
 
 
+OVERLOAD_RESPONSES = ("off", "morph", "tp-merge", "drop", "auto")
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadConfig:
+    """Which response to KV overload acts and with what hysteresis (engine/overload.py): off (each mechanism as
+    configured elsewhere), morph, tp-merge, drop (KunServe parameter dropping) or auto. Overloaded: the KV demand
+    (running + queued requests' blocks) / the attached capacity above `trigger` for `hold_steps` steps; a dropped
+    or merged layout is restored below `restore_below` of the undropped capacity held for `restore_hold_steps`;
+    nothing new starts for `cooldown_steps` after a restore. `exchange` and `lookahead` exist for ablations: a
+    drop's KV moves "coordinated" (in chunks between steps, queued requests run meanwhile) or "blocking" (all of it
+    inside the transaction); lookahead micro-batches need a cost profile (EngineConfig.cost_profile)."""
+    mode: str = "off"
+    trigger: float = 1.0
+    hold_steps: int = 3
+    restore_below: float = 0.5       # KunServe §4.4
+    restore_hold_steps: int = 32
+    cooldown_steps: int = 64
+    exchange: str = "coordinated"
+    lookahead: bool = True
+
+    def __post_init__(self):
+        if self.mode not in OVERLOAD_RESPONSES:
+            raise ValueError(f"overload={self.mode!r} is unknown; allowed: {', '.join(OVERLOAD_RESPONSES)}")
+        if not self.trigger > 0 or not 0 < self.restore_below < self.trigger:
+            raise ValueError(f"need trigger > 0 and 0 < restore_below < trigger, got trigger={self.trigger} "
+                             f"restore_below={self.restore_below}")
+        for name in ("hold_steps", "restore_hold_steps", "cooldown_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.exchange not in ("coordinated", "blocking"):
+            raise ValueError(f"exchange must be 'coordinated' or 'blocking', got {self.exchange!r}")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None             # checkpoint dir or .gguf file; None: the embedded SmolLM2-135M-Instruct
@@ -108,6 +142,10 @@ class EngineConfig:
     start_timeout_s: float = 300.0       # how long worker processes may take to load
     # -- precision morphing
     morph: MorphConfig = field(default_factory=MorphConfig)
+    # -- overload: which response acts when the KV demand exceeds the capacity (engine/overload.py): off (each
+    # mechanism as configured above), morph, tp-merge, drop (KunServe parameter dropping) or auto
+    overload: OverloadConfig = field(default_factory=OverloadConfig)   # or its mode as a string
+    cost_profile: str | None = None      # `elastic-hf profile-cost` JSON: layer splits and lookahead micro-batches
     # -- serving
     seed: int | None = None              # seeds requests that bring none, in order of acceptance (vLLM's --seed)
     chat_template: str | None = None     # Jinja text or a file holding it (see load_chat_template); None: the model's
@@ -158,10 +196,26 @@ class EngineConfig:
             self.morph = MorphConfig(mode=self.morph)
         elif isinstance(self.morph, dict):
             self.morph = MorphConfig(**self.morph)
+        self._check_overload()
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.chat_template is not None:
             load_chat_template(self.chat_template)   # a missing file fails here, before any model loads
+
+    def _check_overload(self) -> None:
+        if isinstance(self.overload, str):
+            self.overload = OverloadConfig(mode=self.overload)
+        elif isinstance(self.overload, dict):
+            self.overload = OverloadConfig(**self.overload)
+        mode = self.overload.mode
+        if mode in ("tp-merge", "drop") and self.num_workers < 2:
+            raise ValueError(f"overload={mode!r} reshapes several workers; num_workers is {self.num_workers}")
+        if mode == "morph" and self.morph.mode in ("off", "manual"):
+            raise ValueError(f"overload='morph' needs a morph mode with a controller (accuracy, default or "
+                             f"performance), got morph={self.morph.mode!r}")
+        if self.cost_profile is not None and not Path(self.cost_profile).is_file():
+            raise ValueError(f"cost_profile={self.cost_profile!r} does not exist; create one with "
+                             f"`elastic-hf profile-cost`")
 
     @property
     def kv_bytes_per_worker(self) -> int:

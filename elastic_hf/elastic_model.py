@@ -1,7 +1,8 @@
 """ElasticModel: the one user-facing object over a deployment of one worker (in this process) or several (worker
 processes joined by torch.distributed). `generate`, `chat` and `stream` drive the deployment in the calling thread;
 the server drives the same deployment (`model.engine`) from its own thread through AsyncEngine. `morph` and
-`reshape` change the running deployment; `memory_report` reads every worker's ledger."""
+`reshape` change the running deployment, `drop` and `restore` drop and restore replicated layers (KunServe);
+`memory_report` reads every worker's ledger."""
 from __future__ import annotations
 
 import itertools
@@ -87,7 +88,8 @@ class ElasticModel:
 
         options: the fields of EngineConfig (elastic_hf/config.py): dtype, device, memory_budget (per worker:
         bytes, "2GiB" or a fraction of the device), kv_cache_memory, block_size, max_num_seqs,
-        max_num_batched_tokens, max_model_len, page_size, tp_policy, router, ... morph: "off", "manual" (only
+        max_num_batched_tokens, max_model_len, page_size, tp_policy, router, overload ("off", "morph", "tp-merge",
+        "drop", "auto", or a dict of OverloadConfig fields), cost_profile, ... morph: "off", "manual" (only
         model.morph.to_precision), or a controller mode "accuracy" | "default" | "performance"; profile: LIS
         profile JSON for the swap order; morph_options: the other MorphConfig fields (precisions, use_cache,
         calib_path, controller={ControllerConfig overrides}, ...)."""
@@ -248,6 +250,21 @@ class ElasticModel:
         recompute and listed in the report's `preempted` (allow_preemption=False refuses the reshape instead). The
         server runs it on its engine thread (POST /admin/reshape)."""
         return self.deployment.reshape(topology, weights_source, allow_preemption)
+
+    def drop(self, demand_tokens: int = 1) -> ReshapeReport | None:
+        """Parameter dropping (KunServe): merge data-parallel instances into pipeline groups that keep one copy of
+        each layer, enough of them to free `demand_tokens` of KV (1: the smallest drop); the freed pages become KV
+        blocks at once and running requests keep their KV (exchanged between steps, never recomputed). None when
+        no plan exists or the transaction rolled back (the reason is in overload_state()["history"])."""
+        return self.deployment.overload.drop(demand_tokens)
+
+    def restore(self) -> ReshapeReport | None:
+        """Undo a drop or an overload TP merge: back to the configured layout (None when already there)."""
+        return self.deployment.overload.restore()
+
+    def overload_state(self) -> dict:
+        """The overload arbiter: mode, response in effect, KV demand and capacity, exchange in flight, history."""
+        return self.deployment.overload.state()
 
     def memory_report(self) -> dict:
         """Committed bytes summed over the workers (budget, weights, KV, free; KV blocks), plus each worker's own

@@ -284,11 +284,13 @@ class LLMEngine:
                              request.prompt_logprobs, request.error)
 
     # ------------------------------------------------------------------ requests moving between engines
-    def adopt(self, request: Request, block_ids: dict[int, list[int]], recompute: bool = False) -> None:
+    def adopt(self, request: Request, block_ids: dict[int, list[int]], recompute: bool = False,
+              exchanging: bool = False) -> None:
         """Take over a request another engine ran (a reshape moves it here with its KV cache): block_ids maps
         each of its sequences' seq_id to the blocks that now hold its cache in this engine's allocator. Nothing
         is recomputed; the scheduler keeps admission order. recompute=True: it comes without its KV cache (the new
-        layout had no room), so its running sequences are preempted by recompute here."""
+        layout had no room), so its running sequences are preempted by recompute here. exchanging=True: its KV is
+        still in transit (a parameter drop's exchange): its running sequences wait until release_exchanging."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in this engine")
         running, waiting = [], []
@@ -302,6 +304,9 @@ class LLMEngine:
             elif seq.status is SeqStatus.WAITING:
                 waiting.append(seq)
         self.requests[request.request_id] = request
+        if exchanging:
+            self.scheduler.park_exchanging(running)
+            running = []
         self.scheduler.adopt(running, waiting)
 
     def preempt_request(self, request_id: str) -> int:
@@ -317,7 +322,7 @@ class LLMEngine:
         running = list(self.scheduler.running)
         for seq in reversed(running):
             self.scheduler.preempt(seq)
-        return len(running)
+        return len(running) + self.scheduler.drop_exchanging()
 
     # ------------------------------------------------------------------ visibility
     def load_snapshot(self) -> EngineLoad:
@@ -345,5 +350,6 @@ class LLMEngine:
         allocator = self.scheduler.allocator
         return {"kv_blocks_used": allocator.num_used, "kv_blocks_total": allocator.num_total,
                 "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+                "num_exchanging": len(self.scheduler.exchanging),
                 "num_preemptions": self.scheduler.num_preemptions, "num_requests": len(self.requests),
                 "num_steps": self.num_steps, "num_computed_prompt_tokens": self.num_computed_prompt_tokens}

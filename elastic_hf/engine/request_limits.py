@@ -20,3 +20,19 @@ def check_request_limits(config: EngineConfig, params: SamplingParams, num_queue
     if num_queued + params.n > config.max_queued_requests:
         raise EngineOverloaded(f"{num_queued} sequences are queued and max_queued_requests is "
                                f"{config.max_queued_requests}; retry later")
+
+
+def resolve_max_model_len(config: EngineConfig, model_limit: int, kv_tokens: int, default_cap: int) -> int:
+    """The configured max_model_len, else what the model (`model_limit` positions) and the largest KV cache a
+    reshape can reach (`kv_tokens`) allow, at most `default_cap`. Raises ValueError for a configured value the
+    model or the KV cache cannot hold."""
+    requested = config.max_model_len
+    if requested is None:
+        return min(model_limit, kv_tokens, default_cap)
+    if requested > model_limit:
+        raise ValueError(f"max_model_len must be in [1, {model_limit}] for this model, got {requested}")
+    if requested > kv_tokens:
+        raise ValueError(f"max_model_len={requested} tokens does not fit the KV cache: the largest instance holds "
+                         f"{kv_tokens // config.block_size} blocks x {config.block_size} tokens = {kv_tokens} tokens; "
+                         f"raise kv_cache_memory / memory_budget or lower max_model_len")
+    return requested

@@ -29,21 +29,28 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator):
-        """Reads max_num_seqs, max_num_batched_tokens and block_size of the config."""
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, num_stages: int = 1):
+        """Reads max_num_seqs, max_num_batched_tokens and block_size of the config. A pipeline of `num_stages`
+        stages schedules that many times more per step: the step is split into one micro-batch per stage, each as
+        large as a data-parallel instance's step (a drop group serves the union of its members' batches)."""
+        self.max_num_seqs = config.max_num_seqs * num_stages
+        self.max_num_batched_tokens = config.max_num_batched_tokens * num_stages
         self.block_size = config.block_size
         self.allocator = allocator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # KV in transit (a parameter drop's exchange, KunServe §4.2): these hold their blocks but wait, while the
+        # queue keeps running on the free blocks. Blocks of one aborted meanwhile are held until the exchange ends:
+        # the exchange still writes into them.
+        self.exchanging: list[Sequence] = []
+        self._held_blocks: list[int] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.exchanging)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks `seq` must still get for its next `num_new_tokens` tokens."""
@@ -125,6 +132,36 @@ class Scheduler:
         self.waiting.clear()
         self.waiting.extend(merged)
 
+    def park_exchanging(self, seqs: Iterable[Sequence]) -> None:
+        """Running sequences whose blocks (already this scheduler's) are still being filled by a KV exchange."""
+        for seq in seqs:
+            seq.status = SeqStatus.EXCHANGING
+            self.exchanging.append(seq)
+
+    def release_exchanging(self) -> int:
+        """The exchange is over: the parked sequences run again in admission order, held blocks go back. Returns
+        how many resumed."""
+        resumed = list(self.exchanging)
+        for seq in resumed:
+            seq.status = SeqStatus.RUNNING
+        self.exchanging.clear()
+        self.adopt(resumed, [])
+        self.allocator.free(self._held_blocks)
+        self._held_blocks = []
+        return len(resumed)
+
+    def drop_exchanging(self) -> int:
+        """The exchange was lost (a group member died): the parked sequences are recomputed. Returns how many."""
+        parked = list(self.exchanging)
+        self.exchanging.clear()
+        for seq in parked:
+            self.allocator.free(seq.block_ids)
+            self.reset_for_recompute(seq)
+        self.waiting.extendleft(reversed(sorted(parked, key=lambda s: s.seq_id)))
+        self.allocator.free(self._held_blocks)
+        self._held_blocks = []
+        return len(parked)
+
     def replace_allocator(self, allocator: BlockAllocator) -> None:
         """Start over on a new set of blocks (a worker holding them was replaced); no running sequence may hold
         blocks of the old one."""
@@ -138,6 +175,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SeqStatus.EXCHANGING:
+            self.exchanging.remove(seq)
+            self._held_blocks.extend(seq.block_ids)
+            seq.block_ids = []
         if seq.block_ids:
             self.allocator.free(seq.block_ids)
             seq.block_ids = []

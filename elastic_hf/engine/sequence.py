@@ -10,6 +10,7 @@ from elastic_hf.engine.sampling_params import SamplingParams
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    EXCHANGING = "exchanging"   # holds blocks whose KV a peer is still sending (KunServe §4.2): not scheduled
     FINISHED = "finished"
 
 

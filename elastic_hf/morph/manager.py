@@ -319,6 +319,18 @@ class MorphManager:
             "last_error": self.boundary_error,
         }
 
+    def gain_left_blocks(self) -> int:
+        """KV blocks the controller could still add by morphing every fp layer it may move to its precision (0
+        without a controller or a bound instance): the overload arbiter's estimate of what morphing can absorb."""
+        report, controller = self._report, self.controller
+        if controller is None or report is None or self.engine is None:
+            return 0
+        precision = controller.config.precision
+        cap = controller.config.max_layers if controller.config.max_layers is not None else self.num_layers
+        movable = max(0, cap - sum(p != "fp" for p in report.precisions))
+        fp_layers = sum(p == "fp" for p in report.precisions)
+        return min(movable, fp_layers) * self.info.blocks_per_layer.get(precision, 0)
+
     def is_full_precision(self) -> bool:
         report = self._report
         return report is None or (not report.busy and all(p == "fp" for p in report.precisions))

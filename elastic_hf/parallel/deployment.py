@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 from elastic_hf.config import EngineConfig
 from elastic_hf.engine.errors import InvalidRequest
 from elastic_hf.engine.llm_engine import LLMEngine
 from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.outputs import RequestOutput
-from elastic_hf.engine.request_limits import check_request_limits
+from elastic_hf.engine.request_limits import check_request_limits, resolve_max_model_len
 from elastic_hf.engine.routing import InstanceLoad, TPPolicy
 from elastic_hf.engine.sampler import request_seeds
 from elastic_hf.engine.sampling_params import SamplingParams
@@ -26,8 +27,11 @@ from elastic_hf.morph.builder import create_manager, swap_order
 from elastic_hf.morph.manager import MorphManager
 from elastic_hf.morph.metrics import MorphMetrics
 from elastic_hf.parallel.instance_runner import Instance, InstanceRunner
+from elastic_hf.parallel.deployment_stats import deployment_stats, load_totals
 from elastic_hf.parallel.metrics import DeploymentMetrics
-from elastic_hf.parallel.reshape import ReshapeAborted, ReshapeReport, resume_instances, run_reshape
+from elastic_hf.parallel.overload_control import OverloadControl
+from elastic_hf.parallel.reshape import (RETIRED_COUNTERS, ReshapeAborted, ReshapeReport, resume_instances,
+                                        run_reshape)
 from elastic_hf.parallel.worker_pool import InProcessWorkerPool, ProcessWorkerPool, WorkerError
 from elastic_hf.topology import InstanceShape, Topology, candidate_topologies, parse_topology
 from elastic_hf.units import ceil_div
@@ -58,7 +62,7 @@ class Deployment:
         self.eos_token_ids = eos_token_ids(checkpoint_dir, tokenizer)
         self._seq_ids = itertools.count()   # shared by every instance engine: ids stay unique across moves
         self._request_ids = itertools.count()
-        self.retired_prompt_tokens = 0
+        self.retired = dict.fromkeys(RETIRED_COUNTERS, 0)   # counters of engines replaced by reshapes
         self.reshapes: list[ReshapeReport] = []
         self.num_recoveries = 0
         self.num_rejected_reshapes = 0
@@ -69,6 +73,7 @@ class Deployment:
         self._request_seeds = request_seeds(config.seed) if config.seed is not None else None
         self.policy = TPPolicy(config, self.degrees)
         self.morph_managers: dict[int, MorphManager] = {}
+        self.overload: OverloadControl | None = None
         self.pool = None
         self.instances: list[Instance] = []
         try:
@@ -85,6 +90,7 @@ class Deployment:
             self.instances = self._build_instances(self.topology)
             if config.morph.enabled:
                 self._start_morph()
+            self.overload = OverloadControl(self)   # the arbiter over morphing, TP merges and parameter drops
         except BaseException:
             self.close()
             raise
@@ -130,7 +136,7 @@ class Deployment:
     def _new_instance(self, key: tuple[tuple[int, ...], InstanceShape], allocator: BlockAllocator) -> Instance:
         workers, shape = key
         runner = InstanceRunner(self.pool, workers, shape, self.deployment_metrics.on_pipeline_step)
-        engine = LLMEngine(runner, Scheduler(self.config, allocator), self.tokenizer,
+        engine = LLMEngine(runner, Scheduler(self.config, allocator, shape.pp), self.tokenizer,
                            model_id=self.model_id, max_model_len=self.max_model_len,
                            vocab_size=self.hf_config.vocab_size, eos_token_ids=self.eos_token_ids,
                            metrics=self.metrics, seq_ids=self._seq_ids, request_seeds=self._request_seeds)
@@ -150,18 +156,7 @@ class Deployment:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or MAX_DEFAULT_MODEL_LEN
         kv_tokens = max(self.capacity(key) for t in self.candidates for key in t.instance_keys()) \
             * self.config.block_size
-        requested = self.config.max_model_len
-        if requested is None:
-            value = min(limit, kv_tokens, MAX_DEFAULT_MODEL_LEN)
-        elif requested > limit:
-            raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {requested}")
-        elif requested > kv_tokens:
-            raise ValueError(f"max_model_len={requested} tokens does not fit the KV cache: the largest instance holds "
-                             f"{kv_tokens // self.config.block_size} blocks x {self.config.block_size} tokens = "
-                             f"{kv_tokens} tokens; raise kv_cache_memory / memory_budget or lower max_model_len")
-        else:
-            value = requested
-        return value
+        return resolve_max_model_len(self.config, limit, kv_tokens, MAX_DEFAULT_MODEL_LEN)
 
     def _start_morph(self) -> None:
         morph_metrics = MorphMetrics(self.metrics.registry)
@@ -183,11 +178,12 @@ class Deployment:
     # ------------------------------------------------------------------ the engine interface
     @property
     def num_steps(self) -> int:
-        return sum(i.engine.num_steps for i in self.instances)
+        return self.retired["num_steps"] + sum(i.engine.num_steps for i in self.instances)
 
     @property
     def num_computed_prompt_tokens(self) -> int:
-        return self.retired_prompt_tokens + sum(i.engine.num_computed_prompt_tokens for i in self.instances)
+        live = sum(i.engine.num_computed_prompt_tokens for i in self.instances)
+        return self.retired["num_computed_prompt_tokens"] + live
 
     def loads(self) -> list[InstanceLoad]:
         out = []
@@ -253,12 +249,17 @@ class Deployment:
         self.long_request_ids.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return any(i.engine.has_unfinished_requests() for i in self.instances)
+        return any(i.engine.has_unfinished_requests() for i in self.instances) or self.overload.wants_steps()
+
+    def has_runnable_work(self) -> bool:
+        """Some sequence can run a step now (requests waiting on a KV exchange cannot)."""
+        return any(i.engine.scheduler.running or i.engine.scheduler.waiting for i in self.instances)
 
     def step(self) -> list[RequestOutput]:
         """One step of every instance with work (requests, or a morph in progress), the instances concurrently."""
         busy = [i for i in self.instances if i.engine.has_unfinished_requests()]
         outputs, errors = [], []
+        started, self.deployment_metrics.last_stage_busy_s = time.perf_counter(), None
         if len(busy) == 1 or self.pool.executor is None:
             steps = [inst.engine.step for inst in busy]
         else:
@@ -274,14 +275,23 @@ class Deployment:
                 raise errors[0]
             self.recover()
         self._maybe_scale_down()
+        # A KV exchange chunk takes about one pipeline stage's time (that of the step's slowest stage, else the
+        # step's; None when nothing ran, so the exchange may take larger chunks).
+        ran = time.perf_counter() - started if busy and self.has_runnable_work() else None
+        try:
+            self.overload.on_step(self.deployment_metrics.last_stage_busy_s or ran)
+        except WorkerError:   # a group member died mid-exchange: its requests are recomputed
+            if not self.pool.dead_workers():
+                raise
+            self.recover()
         self.metrics.set_load(*self._load_totals())   # a reshape in this step may have changed the instances
         return outputs
 
     def _maybe_scale_down(self) -> None:
         """Gyges Alg. 2 at a step boundary: split a merged instance once no long request is left on it and its
         load is low enough."""
-        if not self.policy.is_elastic or not self.topology.is_tensor_only:
-            return
+        if not self.policy.is_elastic or not self.topology.is_tensor_only or self.overload.arbiter.active:
+            return   # a merge made by the overload arbiter is undone by the arbiter
         live = {r for inst in self.instances for r in inst.engine.requests}
         self.long_request_ids &= live
         if self._scale_down_backoff > 0:
@@ -300,22 +310,10 @@ class Deployment:
             log.info("scale-down to %s postponed: %s", list(target), exc)
 
     def _load_totals(self) -> tuple[int, int, int, int]:
-        """KV blocks used and attached, waiting and running sequences over every instance (EngineMetrics.load_totals:
-        kv_cache_usage_perc is used / attached over all of them)."""
-        schedulers = [i.engine.scheduler for i in self.instances]
-        return (sum(s.allocator.num_used for s in schedulers), sum(s.allocator.num_total for s in schedulers),
-                sum(len(s.waiting) for s in schedulers), sum(len(s.running) for s in schedulers))
+        return load_totals(self.instances)
 
     def stats(self) -> dict:
-        per_instance = [{"workers": list(i.workers), **i.engine.stats()} for i in self.instances]
-        totals = {key: sum(i[key] for i in per_instance)
-                  for key in ("kv_blocks_used", "kv_blocks_total", "num_waiting", "num_running", "num_requests",
-                              "num_steps", "num_preemptions")}
-        return {**totals, "topology": str(self.topology), "num_computed_prompt_tokens":
-                self.num_computed_prompt_tokens, "num_reshapes": sum(r.committed for r in self.reshapes),
-                "num_rolled_back": sum(not r.committed for r in self.reshapes),
-                "reshape_seconds": [round(r.seconds, 4) for r in self.reshapes if r.committed],
-                "instances": per_instance}
+        return deployment_stats(self)
 
     def memory_report(self) -> list[dict]:
         """Every worker's ledger (committed bytes per owner, KV blocks, RSS)."""
@@ -345,9 +343,16 @@ class Deployment:
 
     def resume(self, new: Topology, plan, placement) -> None:
         self.instances, retired = resume_instances(self.instances, new, plan, placement, self._new_instance)
-        self.retired_prompt_tokens += retired
+        self.retired = {key: self.retired[key] + retired[key] for key in RETIRED_COUNTERS}
         self.topology = new
         self._bind_morph()
+        if plan.defer_kv:
+            self.overload.start_exchange(plan)
+
+    def settle_exchange(self) -> None:
+        """Finish a parameter drop's KV exchange now (before another reshape moves anything)."""
+        if self.overload is not None:
+            self.overload.settle_exchange()
 
     def on_reshape(self, report: ReshapeReport) -> None:
         self.reshapes.append(report)
@@ -361,15 +366,17 @@ class Deployment:
         dead = self.pool.dead_workers()
         if not dead:
             return []
+        self.overload.on_workers_lost(dead)
         self.pool.replace(dead, self.topology.sizes)
         for inst in self.instances:
             lost = [w for w in inst.workers if w in dead]
             if not lost:
                 continue
-            inst.engine.preempt_running()
+            inst.engine.preempt_running()   # with the requests stalled on a KV exchange
             capacity = self.capacity(inst.key)
-            if inst.engine.scheduler.allocator.num_total != capacity:  # morphs had grown it: start afresh at fp
+            if inst.engine.scheduler.allocator.num_total != capacity:  # morphs or a drop resized it: afresh at fp
                 inst.engine.scheduler.replace_allocator(BlockAllocator(range(capacity)))
+            self.pool.call_many([w for w in inst.workers if w not in lost], "ensure_kv_blocks", capacity)
             self.pool.call_many(lost, "init_kv", capacity)
             for w in lost:
                 if w in self.morph_managers:

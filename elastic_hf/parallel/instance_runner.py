@@ -1,11 +1,15 @@
 """An instance of a deployment as the control plane sees it: its workers, its layout (TP x PP) and the engine's
 Runner that sends a step to those workers. A pipelined instance gets each step as micro-batches, one per stage, so
-every stage has work once the pipe is full (parallel/pipeline.py runs them on the workers)."""
+every stage has work once the pipe is full (parallel/pipeline.py runs them on the workers): by token counts, or by
+cost with a cost model set (`lookahead`, KunServe §4.3), which may cut a sequence's chunk between micro-batches."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elastic_hf.engine.cost_model import Chunk, CostModel
 from elastic_hf.engine.llm_engine import LLMEngine
+from elastic_hf.engine.lookahead import WorkItem, lookahead_split
+from elastic_hf.engine.step_plan import SeqStepInput
 from elastic_hf.topology import InstanceShape
 
 
@@ -19,15 +23,29 @@ class InstanceRunner:
         self.workers = workers
         self.shape = shape
         self.on_pipeline_step = on_pipeline_step   # (stage stats of every worker) -> None, for the metrics
+        self.lookahead: CostModel | None = None    # set by the deployment under overload; None: token counts
+        # |predicted - measured| / measured busy seconds of the last stage on the last lookahead step (the
+        # elastic_hf_cost_model_error gauge); None until a lookahead step ran
+        self.last_cost_error: float | None = None
 
     def execute(self, inputs):
         if self.shape.pp == 1:
             return self.pool.call_many(self.workers, "execute", inputs)[0]  # [num_sampling_seqs, vocab]
-        micro_batches = split_micro_batches(inputs, self.shape.pp)
+        model = self.lookahead
+        if model is not None:
+            micro_batches = lookahead_micro_batches(inputs, self.shape, model)
+        else:
+            micro_batches = split_micro_batches(inputs, self.shape.pp)
         results = self.pool.call_many(self.workers, "execute_pipeline", micro_batches)
         if self.on_pipeline_step is not None:
             self.on_pipeline_step([stats for _, stats in results], self.workers)
-        return results[(self.shape.pp - 1) * self.shape.tp][0]  # last stage, rank 0: [num_sampling_seqs, vocab]
+        logits, last_stats = results[(self.shape.pp - 1) * self.shape.tp]   # last stage, rank 0
+        if model is not None and last_stats["busy_s"] > 0:
+            fraction = last_stage_fraction(self.shape, model)
+            predicted = sum(model.batch_cost([Chunk(s.num_computed, len(s.token_ids), s.needs_logits) for s in mb],
+                                             fraction) for mb in micro_batches)
+            self.last_cost_error = abs(predicted - last_stats["busy_s"]) / last_stats["busy_s"]
+        return logits  # [num_sampling_seqs, vocab]
 
 
 def split_micro_batches(inputs: list, num_stages: int) -> list[list]:
@@ -49,6 +67,28 @@ def split_micro_batches(inputs: list, num_stages: int) -> list[list]:
             current = []
     groups.append(current)
     return [g for g in groups if g]
+
+
+def lookahead_micro_batches(inputs: list[SeqStepInput], shape: InstanceShape, model: CostModel) -> list[list]:
+    """Micro-batches of equal predicted cost (engine/lookahead.py). A piece [start, end) of input s becomes an
+    input of its own that starts `start` tokens later in the cache and samples only if it ends the chunk. The
+    rows still come back in the inputs' order: the pieces of s are consecutive in the stream and micro-batches run
+    in order on every stage, so a stage writes the KV of s's first piece before it attends from the next."""
+    layer_fraction = last_stage_fraction(shape, model)
+    items = [WorkItem(s.num_computed, len(s.token_ids), s.needs_logits) for s in inputs]
+    return [[SeqStepInput(inputs[p.item].token_ids[p.start:p.end], inputs[p.item].num_computed + p.start,
+                          inputs[p.item].block_ids, inputs[p.item].needs_logits and p.end == items[p.item].tokens,
+                          inputs[p.item].all_logits) for p in micro_batch]
+            for micro_batch in lookahead_split(items, model, shape.pp, layer_fraction=layer_fraction)]
+
+
+def last_stage_fraction(shape: InstanceShape, model: CostModel) -> float:
+    """The share of the decoder layers the last stage holds (it also pays the LM head rows)."""
+    try:
+        first, end = shape.stage_bounds(model.num_layers)[-1]
+        return (end - first) / model.num_layers
+    except ValueError:   # a layer split of another model than the profiled one: weigh the stages alike
+        return 1.0 / shape.pp
 
 
 @dataclass(slots=True)

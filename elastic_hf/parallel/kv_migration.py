@@ -10,11 +10,12 @@ from elastic_hf.kv.migration_plan import KVTransfer
 
 
 def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: int, new_pool,
-               new_head_start: int) -> dict:
+               new_head_start: int, layers: tuple[int, int] | None = None) -> dict:
     """Execute this worker's share of the plan, one model layer at a time from the last, so the staging buffers
     hold at most one layer's share (ReMP §3.5.4). A pool's layout says which layers it holds (a pipeline stage's
     range). Returns bytes moved locally / sent / received and the largest per-layer staging buffer (the peak extra
-    bytes beyond the new pool's pages)."""
+    bytes beyond the new pool's pages). layers=(start, end): only those model layers (a chunk of a KV exchange;
+    every worker of the plan must pass the same range)."""
     import torch
     import torch.distributed as dist
 
@@ -66,7 +67,8 @@ def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: i
         return cache[keys]
 
     last_layer = max((end for _, end in groups), default=0)
-    for layer in reversed(range(last_layer)):
+    lo, hi = layers if layers is not None else (0, last_layer)
+    for layer in reversed(range(max(lo, 0), min(hi, last_layer))):
         keys = tuple(key for key in groups if key[0] <= layer < key[1])
         if not keys:
             continue

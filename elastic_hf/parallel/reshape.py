@@ -144,13 +144,18 @@ def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int,
     return plan, placement
 
 
+RETIRED_COUNTERS = ("num_computed_prompt_tokens", "num_steps", "num_preemptions")
+
+
 def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: RequestPlacement, make_instance):
     """The instances after the commit point: kept ones keep their engine and adopt the requests moved to them; the
-    others get a new engine over their new allocator. make_instance((workers, shape), allocator) builds one.
-    Returns (new instances, prompt tokens computed by the retired engines)."""
+    others get a new engine over their new allocator. make_instance((workers, shape), allocator) builds one. With a
+    deferred-KV plan the moved requests wait in the exchanging state until their KV has arrived.
+    Returns (new instances, the cumulative counters of the retired engines, RETIRED_COUNTERS: a deployment's totals
+    must not fall back when an engine is replaced)."""
     new_block_ids = {(m.src_instance, m.src_blocks): list(m.dst_blocks) for m in plan.moves}
-    retired_prompt_tokens = sum(inst.engine.num_computed_prompt_tokens for idx, inst in enumerate(instances)
-                                if idx not in plan.kept.values())
+    retired_engines = [inst.engine for idx, inst in enumerate(instances) if idx not in plan.kept.values()]
+    retired = {key: sum(e.stats()[key] for e in retired_engines) for key in RETIRED_COUNTERS}
     out = []
     for idx, key in enumerate(new.instance_keys()):
         instance = instances[plan.kept[idx]] if idx in plan.kept else make_instance(key, placement.allocators[idx])
@@ -160,18 +165,20 @@ def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: Req
                 continue
             blocks = {seq.seq_id: new_block_ids[(plan.seq_moves[seq.seq_id][0], tuple(seq.block_ids))]
                       for seq in request.seqs if seq.block_ids}
-            instance.engine.adopt(request, blocks)
+            instance.engine.adopt(request, blocks, exchanging=plan.defer_kv)
         out.append(instance)
-    return out, retired_prompt_tokens
+    return out, retired
 
 
 def run_reshape(deployment, target, weights_source: str | None = None, allow_preemption: bool = False,
-                overlap_weights: bool = True) -> ReshapeReport:
+                overlap_weights: bool = True, defer_kv: bool = False) -> ReshapeReport:
     """Change the deployment's topology in place, e.g. [1, 1] -> [2] -> [1, 1]. Call between steps (the
     deployment's driver thread), which is the quiesce point. Raises ValueError for a topology that is not a
     candidate or a plan that does not fit, ReshapeAborted when a worker fails before the commit point; the old
-    topology is then still serving."""
+    topology is then still serving. defer_kv: move the KV after the commit point, between steps (a parameter
+    drop, parallel/kv_exchange.py); the deployment starts the exchange in `resume`."""
     new = deployment.check_topology(target)
+    deployment.settle_exchange()   # a previous drop's exchange finishes before anything else moves
     old = deployment.topology
     start = time.perf_counter()
     if new == old:
@@ -188,6 +195,7 @@ def run_reshape(deployment, target, weights_source: str | None = None, allow_pre
     plan, placement = plan_reshape(deployment.instances, old, new, deployment.capacity, deployment.num_kv_heads,
                                    deployment.num_layers, weights_source, allow_preemption, footprints)
     plan.overlap_weights = overlap_weights
+    plan.defer_kv = defer_kv
     try:
         stats = pool.call_many(workers, RESHAPE_PHASES[0], plan)
         for phase in RESHAPE_PHASES[1:]:

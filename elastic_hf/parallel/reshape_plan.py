@@ -24,6 +24,9 @@ class ReshapePlan:
     kept: dict[int, int] = field(default_factory=dict)  # new instance -> old instance with the same workers
     weights_source: str = "host"               # where missing shard chunks come from: "host" store or "peers"
     overlap_weights: bool = True               # load host-store chunks while the KV migrates (ReMP §3.3)
+    # A parameter drop (KunServe §4.2): the KV moves after the commit point, in chunks between steps, while the
+    # new instance already serves queued requests (parallel/kv_exchange.py); the old pools live until then.
+    defer_kv: bool = False
 
     def is_kept(self, worker: int) -> bool:
         """True when the worker's instance has the same workers before and after: nothing to do there."""

@@ -23,6 +23,7 @@ from elastic_hf.parallel.groups import ProcessGroups
 from elastic_hf.parallel.pipeline import StageLinks, run_pipeline_step
 from elastic_hf.parallel.shard_transform import ShardedWeights
 from elastic_hf.parallel.weight_store import SharedWeightStore
+from elastic_hf.parallel.worker_exchange import KVExchangeParticipant
 from elastic_hf.parallel.worker_reshape import ReshapeParticipant
 from elastic_hf.topology import Topology, candidate_topologies
 
@@ -81,6 +82,7 @@ class Worker:
             self.morph = MorphExecutor(layer_store, loaded.layers, self.instance.weights, self.instance.budget,
                                        headroom, self.device, lambda: self.instance.pool)
         self.reshape = ReshapeParticipant(self) if self.is_sharded else None
+        self.exchange = KVExchangeParticipant(self) if self.is_sharded else None
         self.links: StageLinks | None = None
         self.last_pipeline_stats: dict | None = None
         self.step_fault_armed = False
@@ -155,12 +157,15 @@ class Worker:
 
     def info(self) -> dict:
         loaded = self.loaded
+        head = loaded.hf_model.get_output_embeddings().weight
         return {"worker": self.me, "num_kv_heads": loaded.num_kv_heads, "num_layers": loaded.num_layers,
                 "degrees": list(self.degrees), "page_size": self.instance.page_size,
                 "budget_bytes": self.budget.total_bytes, "weights_tp1_bytes": self.weights.shard_bytes(1, 0),
                 "replicated_weights_bytes": (self.weights.shared_bytes if self.is_sharded
                                              else self.weights.placement.shared.nbytes),
-                "headroom_bytes": self.instance.headroom_bytes, "device": str(self.device)}
+                "headroom_bytes": self.instance.headroom_bytes, "device": str(self.device),
+                "lm_head_bytes": head.numel() * head.element_size(),
+                "kv_block_bytes_tp1": self.instance.kv_layout(1, 0).block_bytes}
 
     def shard_bytes(self, tp: int, rank: int) -> int:
         """Committed weight bytes of this worker as shard (tp, rank)."""
@@ -205,6 +210,13 @@ class Worker:
             raise RuntimeError(f"worker {self.me} already has a KV pool of {self.pool.num_blocks} blocks")
         self.instance.set_pool(self.instance.new_pool(role.tp, role.rank, num_blocks, self.layer_range()))
         return self.pool.layout.block_bytes
+
+    def ensure_kv_blocks(self, num_blocks: int) -> int:
+        """Attach blocks until the pool holds `num_blocks` (a recovered instance starts afresh at its capacity,
+        which a survivor of an interrupted KV exchange may not have attached yet). Returns the count now."""
+        if self.pool is not None and self.pool.num_blocks < num_blocks:
+            self.pool.attach_blocks(num_blocks - self.pool.num_blocks)
+        return 0 if self.pool is None else self.pool.num_blocks
 
     def execute(self, inputs):
         """One step of this worker's instance. Every rank runs it (the all-reduces need them); rank 0 returns the

@@ -107,6 +107,9 @@ class ReshapeParticipant:
             if new is None:
                 return {}
             h0 = head_range(num_kv_heads, new[1], new[2])[0]
+            if plan.defer_kv:   # moved KV lands here during the exchange, after the commit point
+                txn["exchange"] = (worker.pool, h0, worker.pool, h0)
+                return {}
             kv = migrate_kv(plan.transfers, self._me, worker.pool, h0, worker.pool, h0)
             txn["stats"]["kv"] = {**kv, "new_pool_live_bytes": 0, "peak_extra_bytes": kv["peak_staging_bytes"]}
             return kv
@@ -122,6 +125,12 @@ class ReshapeParticipant:
             # The weights the new role needs come from the host store while the KV moves: the phase costs
             # max(T_kv, T_w), not the sum (ReMP §3.3). finish_weights joins it before switching.
             txn["preload"] = _Preload(worker.weights, new[1], new[2], txn["new_layers"])
+        if plan.defer_kv:
+            # A parameter drop: nothing moves before the commit point. The old pool keeps its live blocks and hands
+            # them to the exchange (worker_exchange.py), which sends them in chunks between steps.
+            txn["exchange"] = (worker.pool, old_h0, new_pool, new_h0)
+            self._check_fault("kv_migrate")
+            return {"deferred": True}
         started = time.perf_counter()
         kv = migrate_kv(plan.transfers, self._me, worker.pool, old_h0, new_pool, new_h0)
         kv["seconds"] = time.perf_counter() - started
@@ -160,22 +169,26 @@ class ReshapeParticipant:
     # ------------------------------------------------------------------ commit point and rollback
     def commit(self) -> dict:
         """The commit point: drop the old KV pool, grow the new one to its capacity, serve the new topology (or
-        go to standby: no pool, no shard, the process and its groups stay for a fast wake-up)."""
+        go to standby: no pool, no shard, the process and its groups stay for a fast wake-up). A deferred-KV plan
+        (a parameter drop) keeps the old pool for the exchange instead, and the control plane grows the new pool
+        as the budget allows (worker_exchange.py)."""
         worker = self.worker
         txn = self._require_txn()
         plan: ReshapePlan = txn["plan"]
         if not txn["kept"]:
-            if worker.pool is not None:
+            if worker.pool is not None and not plan.defer_kv:
                 worker.pool.arena.close()
             new_pool: KVPagePool | None = txn["new_pool"]
             worker.instance.set_pool(new_pool)
             new_role = plan.new.role(self._me)
             if new_role is None:
                 worker.weights.release_all()
-            elif plan.new_num_blocks[new_role[0]] > new_pool.num_blocks:
+            elif plan.new_num_blocks[new_role[0]] > new_pool.num_blocks and not plan.defer_kv:
                 new_pool.attach_blocks(plan.new_num_blocks[new_role[0]] - new_pool.num_blocks)
         worker.topology = plan.new
         worker.apply_stage()
+        if plan.defer_kv and "exchange" in txn:
+            worker.exchange.begin(plan.transfers, *txn["exchange"])
         self._txn = None
         self._check_fault("committed")
         return worker.memory_report()

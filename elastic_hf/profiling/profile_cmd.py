@@ -150,10 +150,15 @@ def save_plot(results: dict[str, dict[int, float]], ks: list[int], path: Path, t
 
 
 def run(args) -> int:
+    return report_usage_errors("profile", _run, args)
+
+
+def report_usage_errors(command: str, body, args) -> int:
+    """Bad input (a missing file, an invalid flag value) is one line on stderr and exit code 2, not a traceback."""
     try:
-        return _run(args)
+        return body(args)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"elastic-hf profile: error: {exc}", file=sys.stderr)
+        print(f"elastic-hf {command}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from elastic_hf.serving.auth import check_admin, parse_admin_body
+from elastic_hf.serving.auth import admin_request, check_admin
 from elastic_hf.serving.errors import error_response
 
 
@@ -68,12 +68,9 @@ def admin_reshape_router(model, async_engine, admin_key: str | None) -> APIRoute
 
     @router.post("/admin/reshape")
     async def post_reshape(request: Request):
-        denied = check_admin(request, admin_key)
-        if denied is not None:
-            return denied
-        body, invalid = await parse_admin_body(request, ReshapeRequest, "reshape")
-        if invalid is not None:
-            return invalid
+        body, refused = await admin_request(request, admin_key, ReshapeRequest, "reshape")
+        if refused is not None:
+            return refused
         if body.weights_source not in (None, "host", "peers"):
             return error_response(400, f"weights_source must be 'host' or 'peers', got {body.weights_source!r}",
                                   code="invalid_request", param="weights_source")

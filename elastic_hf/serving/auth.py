@@ -88,3 +88,15 @@ async def parse_admin_body(request: Request, model: type[BaseModel], what: str):
     except ValidationError as exc:
         return None, error_response(400, f"invalid {what} request: {validation_problems(exc)}",
                                     code="invalid_request")
+
+
+async def admin_request(request: Request, admin_key: str | None, model: type[BaseModel], what: str,
+                        empty_means_defaults: bool = False):
+    """An admin POST's key check and body: (body, None), or (None, the 401/403/400 response). With
+    empty_means_defaults an empty body (curl -X POST without -d) is the schema's defaults."""
+    denied = check_admin(request, admin_key)
+    if denied is not None:
+        return None, denied
+    if empty_means_defaults and not (await request.body()).strip():
+        return model(), None
+    return await parse_admin_body(request, model, what)

@@ -9,6 +9,7 @@ import sys
 SUBCOMMANDS = {
     "serve": ("elastic_hf.serving.serve_cmd", "run the OpenAI-compatible HTTP server"),
     "profile": ("elastic_hf.profiling.profile_cmd", "offline LIS layer ordering for precision morphing"),
+    "profile-cost": ("elastic_hf.profiling.cost_cmd", "offline micro-batch cost model for lookahead pipelining"),
 }
 
 

@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deprecated alias of --morph-profile (vLLM's --profile means the torch profiler)"
                         + _OWN_DEFAULT)
     parser.add_argument("--admin-key", default=None,
-                        help="bearer key of the /admin routes (/admin/morph, /admin/reshape); without it they answer "
+                        help="bearer key of the /admin routes (/admin/morph, /admin/reshape, /admin/drop); without it they answer "
                              "403 "
                              "(default: $ELASTIC_HF_ADMIN_KEY)" + _OWN_DEFAULT)
     parser.add_argument("--workers", type=int, default=1,
@@ -88,6 +88,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", default=None, choices=("elastic", "least_load", "round_robin"),
                         help="how requests pick an instance (default: elastic with --tp-policy elastic, "
                              "least_load otherwise)" + _OWN_DEFAULT)
+    parser.add_argument("--overload", default="off", choices=("off", "morph", "tp-merge", "drop", "auto"),
+                        help="the one response to KV overload (demand above capacity): morph (precision "
+                             "morphing, needs --morph), tp-merge (merge instances into TP2), drop (KunServe: "
+                             "drop replicated layers and serve as a pipeline), auto (morph when it covers the "
+                             "deficit, else drop, else merge); off: each mechanism as configured by its own flags")
+    parser.add_argument("--cost-profile", default=None,
+                        help="cost model JSON from `elastic-hf profile-cost`: layer splits of drop groups and "
+                             "lookahead micro-batches while overloaded (without it: weight bytes split the layers, "
+                             "token counts split micro-batches)")
     parser.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", default=None,
                         help="KV bytes per worker when --memory-budget is not given, e.g. '256MiB' "
                              "(default: 1 GiB)" + _OWN_DEFAULT)
@@ -138,7 +147,8 @@ def engine_config(args: argparse.Namespace):
     options = {name: getattr(args, name) for name in ("dtype", "seed", "chat_template", "max_num_seqs",
                                                        "max_num_batched_tokens", "memory_budget", "kv_cache_memory",
                                                        "max_model_len", "router", "block_size", "max_stop_strings",
-                                                       "max_stop_string_chars", "max_queued_requests")
+                                                       "max_stop_string_chars", "max_queued_requests",
+                                                       "overload", "cost_profile")
                if getattr(args, name) is not None}
     return EngineConfig(model=args.model, num_workers=args.workers, topology=topology,
                         tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)
@@ -151,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     from elastic_hf.elastic_model import ElasticModel
     from elastic_hf.engine.async_engine import AsyncEngine
     from elastic_hf.serving.admin_morph import admin_morph_router
+    from elastic_hf.serving.admin_drop import admin_drop_router
     from elastic_hf.serving.admin_reshape import admin_reshape_router
     from elastic_hf.serving.app import build_app
 
@@ -172,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes)
     app.include_router(admin_morph_router(model, async_engine, admin_key))
     app.include_router(admin_reshape_router(model, async_engine, admin_key))
+    app.include_router(admin_drop_router(model, async_engine, admin_key))
     logging.getLogger(__name__).info("serving %s (%s) on http://%s:%d with %d worker(s), topology %s (auth %s, "
                                      "admin %s)", model.model_id, model.config.dtype, args.host, args.port,
                                      args.workers, model.deployment.topology,

@@ -1,0 +1,667 @@
+"""KunServe parameter dropping under the largest burst of the Azure code trace, side by side with data parallelism,
+a static pipeline, a TP merge and precision morphing on the same 2 workers and the same KV budget per worker, plus
+the ablations of KunServe §5.3/§5.5 (blocking exchange, coordinated exchange, lookahead, no restore).
+
+    python benchmarks/param_drop.py [--num-requests 80 --kv-cache-memory 16MiB --configs dp,kunserve
+                                     --cost-profile PATH --plot param_drop.png]
+
+How the workload is chosen (every rule prints its numbers):
+
+- Window: the --num-requests consecutive trace rows whose peak arrival rate (over a sliding sub-window of a quarter
+  of them) is highest relative to the window's mean rate, i.e. the highest peak once time scaling has fixed the
+  mean, with the peak at least an eighth of the window from either end (a lead-in and a tail, so the drop and the
+  restore both happen) and no idle gap longer than max(10 %, 3 mean inter-arrivals) of the window's span (a long
+  idle gap would make any burst look large relative to the mean while the replay mostly sleeps).
+- Lengths: prompts x --prompt-scale and outputs x --output-scale, capped so every request (prompt + output) takes at
+  most 80 % of one data-parallel instance's KV: every request's KV stays resident on one DP instance.
+- Time scale (KunServe §5.1: the mean memory demand stays below 60 % of the memory): the mean arrival rate r is
+  solved so that the mean KV demand (Little's law: r x the mean KV token-seconds of a request) is --target-util
+  (55 %) of the DP capacity. A request's KV token-seconds are its prefill time x its prompt plus its decode time x
+  (prompt + output / 2), with the prefill time and the per-instance decode step time at the expected concurrency
+  measured on a DP deployment first (decode steps slowed by the prefills sharing them: TPOT = step / (1 - prefill
+  utilisation)); the concurrency depends on the rate, so r is a fixed point. The burst then asks for several times
+  the capacity.
+- SLOs (KunServe §5.2 uses 5x the P50 latency of the best baseline): --slo-scale (5) x the DP deployment's unloaded
+  TTFT and TPOT of a request of the window's median prompt and output length, measured one request at a time through
+  the same HTTP path as the replay.
+- Hysteresis, the same for every drop / merge config: react after 2 overloaded steps (KunServe drops as soon as the
+  monitor sees the overload; 2 filters a one-step blip), restore below 50 % of the undropped capacity (§4.4) held for
+  about 2 mean inter-arrival times of the scaled trace, cool down for about 5 (counted in decode steps at the expected
+  concurrency), so a lull between two arrivals inside the burst does not restore and re-drop.
+
+Every config is a fresh 2-worker ElasticModel behind the OpenAI app in this process (uvicorn in a thread), replayed
+open loop (benchmarks/replay.py), one after another. Prints a table per config, ratios vs dp, the DP decode step time
+vs batch size (memory- or compute-bound), `RESULT` lines and a plot of TTFT over arrival time with the drop / merge /
+restore moments and the KV demand and capacity. Longer than 400 lines because the workload rules, the DP calibration
+they rest on, the eight configs and their report form one runnable script."""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import InProcessServer, machine_description, wikitext_prompts  # noqa: E402
+from replay import (TRACE_NAME, ReplayReport, ReplayRequest, TraceRow, TraceScale, build_requests,  # noqa: E402
+                    load_trace, run_replay, scale_trace, time_scale_for_rate)
+
+CONFIGS = ("dp", "pp", "tp-merge", "morph", "kunserve", "+drop", "+exchange", "no-restore")
+ALIASES = {"+lookahead": "kunserve"}
+DROP_CONFIGS = ("kunserve", "+drop", "+exchange", "no-restore")
+STEP_BATCHES = (1, 2, 4, 8, 16, 32)
+REQUEST_KV_SHARE = 0.8      # a request (prompt + output) takes at most this share of one DP instance's KV
+CALIBRATION_KV_BLOCKS = 136  # the calibration deployment's KV per worker: 32 sequences of ~45 tokens on one instance
+RESTORE_HOLD_ARRIVALS = 2.0  # restore after about this many mean inter-arrival times of low demand
+COOLDOWN_ARRIVALS = 5.0
+
+
+# ---------------------------------------------------------------- the window
+@dataclass(slots=True)
+class Window:
+    start: int
+    rows: list[TraceRow]
+    sub: int              # arrivals of the sliding sub-window the peak is measured over
+    peak_offset: int      # first row of the peak sub-window, relative to start
+    mean_rate: float      # req/s of the trace (unscaled)
+    peak_rate: float
+
+    @property
+    def burst_factor(self) -> float:
+        return self.peak_rate / self.mean_rate
+
+
+def find_burst_window(all_rows: list[TraceRow], n: int) -> Window:
+    """The window of `n` consecutive rows with the highest peak rate relative to its mean rate (see the module
+    docstring for the constraints)."""
+    t = [r.arrival_s for r in all_rows]
+    if n < 4 or n > len(t):
+        raise ValueError(f"--num-requests must be in [4, {len(t)}], got {n}")
+    k = max(3, n // 4)
+    lead = n // 8
+    peak = [(k - 1) / max(t[i + k - 1] - t[i], 1e-3) for i in range(len(t) - k + 1)]
+    gaps = [t[i + 1] - t[i] for i in range(len(t) - 1)]
+    best = None
+    for relaxed in (False, True):
+        for s in range(len(t) - n + 1):
+            span = t[s + n - 1] - t[s]
+            if span <= 0 or (not relaxed and max(gaps[s:s + n - 1]) > max(0.1, 3 / (n - 1)) * span):
+                continue
+            j = max(range(s + lead, s + n - k - lead + 1), key=peak.__getitem__)
+            mean = (n - 1) / span
+            if best is None or peak[j] / mean > best[0]:
+                best = (peak[j] / mean, s, j - s, mean, peak[j])
+        if best is not None:
+            break
+    _, s, offset, mean, pk = best
+    return Window(s, load_trace(None, start=s, num_requests=n), k, offset, mean, pk)
+
+
+def length_caps(args, instance_tokens: int) -> tuple[int, int]:
+    """The prompt and output caps, shrunk together so that a request fits REQUEST_KV_SHARE of one DP instance."""
+    cap_p, cap_o = args.max_prompt_tokens, args.max_output_tokens
+    room = int(REQUEST_KV_SHARE * instance_tokens)
+    if cap_p + cap_o > room:
+        f = room / (cap_p + cap_o)
+        cap_p, cap_o = max(1, int(cap_p * f)), max(1, int(cap_o * f))
+    return cap_p, cap_o
+
+
+# ---------------------------------------------------------------- serving in this process
+class Timeline:
+    """Wraps the deployment's step (it runs on the engine thread, between steps, where reading the control plane is
+    safe): after every step the KV demand and capacity (the arbiter's snapshot) and any new overload history entry,
+    stamped with the time of the step boundary it appeared at."""
+
+    def __init__(self, dep):
+        self.dep = dep
+        self.rows: list[tuple[float, int, int, str]] = []    # (time, demand tokens, capacity tokens, topology)
+        self.events: list[tuple[float, dict]] = []
+        self._seen = len(dep.overload.history)
+        self._step = dep.step
+        dep.step = self.step
+
+    def step(self):
+        out = self._step()
+        now = time.perf_counter()
+        overload = self.dep.overload
+        snap = overload.snapshot()
+        self.rows.append((now, snap.demand_tokens, snap.capacity_tokens, str(self.dep.topology)))
+        for entry in overload.history[self._seen:]:
+            self.events.append((now, dict(entry)))
+        self._seen = len(overload.history)
+        return out
+
+    def mean_demand(self, t0: float, t1: float) -> float:
+        """Time-weighted mean KV demand (tokens) over [t0, t1], the demand held from one step boundary to the next."""
+        rows = [r for r in self.rows if t0 <= r[0] <= t1]
+        if len(rows) < 2:
+            return float("nan")
+        area = sum(a[1] * (b[0] - a[0]) for a, b in zip(rows, rows[1:]))
+        return area / (rows[-1][0] - rows[0][0])
+
+
+# ---------------------------------------------------------------- calibration on a DP deployment
+@dataclass
+class Calibration:
+    step_s: dict[int, float]        # per-instance decode step seconds by batch size
+    prefill_fixed_s: float          # prefill of a P-token prompt alone: fixed + per_token x P
+    prefill_per_token_s: float
+    unloaded_ttft_s: float
+    unloaded_tpot_s: float
+    block_bytes: int
+    probe: tuple[int, int] = (0, 0)  # (prompt, output) tokens of the unloaded probe
+
+    def step_at(self, batch: float) -> float:
+        """Decode step seconds of one instance at `batch` sequences (piecewise linear, extrapolated beyond)."""
+        xs = sorted(self.step_s)
+        batch = max(batch, xs[0])
+        for lo, hi in zip(xs, xs[1:]):
+            if batch <= hi:
+                return self.step_s[lo] + (self.step_s[hi] - self.step_s[lo]) * (batch - lo) / (hi - lo)
+        lo, hi = xs[-2], xs[-1]
+        return self.step_s[hi] + (self.step_s[hi] - self.step_s[lo]) * (batch - hi) / (hi - lo)
+
+    def prefill_s(self, prompt: int) -> float:
+        return self.prefill_fixed_s + self.prefill_per_token_s * prompt
+
+
+def _run_until_first_tokens(dep, request_ids: set[str]) -> None:
+    pending = set(request_ids)
+    while pending:
+        for out in dep.step():
+            pending.discard(out.request_id)
+
+
+def decode_step_table(dep, tokenizer, batches, steps: int = 4, prompt_len: int = 32) -> dict[int, float]:
+    """Seconds per decode step of one DP instance (every sequence on instance 0) holding b sequences, after their
+    prefill, through the engine (Deployment.step: scheduling, the worker RPC, sampling)."""
+    from elastic_hf.engine.sampling_params import SamplingParams
+
+    out = {}
+    for b in batches:
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True)
+        ids = {dep.add_request(None, p, params, instance=0)
+               for p in wikitext_prompts(tokenizer, b, prompt_len, prompt_len, seed=b)}
+        _run_until_first_tokens(dep, ids)
+        dep.step()
+        started = time.perf_counter()
+        for _ in range(steps):
+            dep.step()
+        out[b] = (time.perf_counter() - started) / steps
+        while dep.has_unfinished_requests():
+            dep.step()
+    return out
+
+
+def prefill_times(dep, tokenizer, lengths: list[int], repeats: int = 2) -> dict[int, float]:
+    """Seconds from adding one prompt of each length alone to its first token (its prefill step)."""
+    from elastic_hf.engine.sampling_params import SamplingParams
+
+    out = {}
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for length in lengths:
+        runs = []
+        for r in range(repeats):
+            prompt = wikitext_prompts(tokenizer, 1, length, length, seed=1000 + r)[0]
+            started = time.perf_counter()
+            _run_until_first_tokens(dep, {dep.add_request(None, prompt, params, instance=0)})
+            runs.append(time.perf_counter() - started)
+            while dep.has_unfinished_requests():
+                dep.step()
+        out[length] = min(runs)
+    return out
+
+
+def unloaded_latency(server: InProcessServer, tokenizer, prompt_tokens: int, output_tokens: int,
+                     repeats: int = 3) -> tuple[float, float]:
+    """Median TTFT and TPOT of one request at a time through the HTTP path of the replay."""
+    ttfts, tpots = [], []
+    for r in range(repeats):
+        prompt = wikitext_prompts(tokenizer, 1, prompt_tokens, prompt_tokens, seed=2000 + r)[0]
+        report = run_replay(server.base_url, [ReplayRequest(0.0, prompt, prompt_tokens, output_tokens)],
+                            model=server.model.model_id, progress=False)
+        result = report.results[0]
+        if not result.ok:
+            raise RuntimeError(f"unloaded probe request failed: {result.error}")
+        ttfts.append(result.ttft_s)
+        if result.tpot_s is not None:
+            tpots.append(result.tpot_s)
+    return statistics.median(ttfts), statistics.median(tpots) if tpots else float("nan")
+
+
+def calibrate(args, bar, probe_lengths) -> tuple[Calibration, int]:
+    """Loads a DP deployment with room for the step table, measures it and its unloaded latency; returns the
+    calibration and the DP instance capacity (blocks) under --kv-cache-memory."""
+    from elastic_hf import ElasticModel
+
+    bar.set_description("loading calibration (dp)")
+    model = ElasticModel.from_pretrained(None, workers=2, topology=(1, 1), dtype=args.dtype,
+                                         kv_cache_memory=CALIBRATION_KV_BLOCKS * block_bytes_guess(args.dtype))
+    try:
+        dep = model.deployment
+        block_bytes = model.memory_report()["workers"][0]["kv_block_bytes"]
+        instance_blocks = args.kv_cache_memory // block_bytes
+        model.generate([[1, 2, 3]] * 2, max_tokens=2)   # warm-up
+        bar.set_description("calibration: decode steps")
+        steps = decode_step_table(dep, model.tokenizer, STEP_BATCHES)
+        cap_p, cap_o = probe_lengths(instance_blocks * dep.config.block_size)
+        bar.set_description("calibration: prefill")
+        short, long_ = 32, max(64, cap_p)
+        pre = prefill_times(dep, model.tokenizer, [short, long_])
+        per_token = max(0.0, (pre[long_] - pre[short]) / (long_ - short))
+        fixed = max(0.0, pre[short] - per_token * short)
+        bar.set_description("calibration: unloaded latency")
+        server = InProcessServer(model)
+        try:
+            probe = probe_lengths(None)
+            ttft, tpot = unloaded_latency(server, model.tokenizer, *probe)
+        finally:
+            server.stop()
+        return Calibration(steps, fixed, per_token, ttft, tpot, block_bytes, probe), instance_blocks
+    finally:
+        model.close()
+
+
+def block_bytes_guess(dtype: str) -> int:
+    """KV bytes of a block of the default model (30 layers x 3 KV heads x K/V x 16 tokens x 64 dims)."""
+    from elastic_hf.config import DTYPES
+
+    return 30 * 3 * 2 * 16 * 64 * (4 if DTYPES.get(dtype, dtype) == "float32" else 2)
+
+
+def solve_rate(rows: list[TraceRow], cal: Calibration, capacity_tokens: int, util: float, block: int
+               ) -> dict:
+    """The mean arrival rate whose mean KV demand is `util` of `capacity_tokens` (module docstring), with what it
+    assumes."""
+    pad = block / 2   # demand is counted in blocks: half a block of rounding per request on average
+    prefill = [cal.prefill_s(r.prompt_tokens) for r in rows]
+    rate, concurrency = 1.0, 2.0
+    for _ in range(100):
+        rho = min(0.9, rate / 2 * statistics.mean(prefill))   # prefill share of each instance's time
+        tpot = cal.step_at(max(1.0, concurrency / 2)) / (1 - rho)
+        kv_seconds = [p * (r.prompt_tokens + pad) + (r.output_tokens - 1) * tpot
+                      * (r.prompt_tokens + r.output_tokens / 2 + pad) for r, p in zip(rows, prefill)]
+        duration = [p + (r.output_tokens - 1) * tpot for r, p in zip(rows, prefill)]
+        new_rate = util * capacity_tokens / statistics.mean(kv_seconds)
+        concurrency = new_rate * statistics.mean(duration)
+        if abs(new_rate - rate) < 1e-6 * rate:
+            rate = new_rate
+            break
+        rate = new_rate
+    return {"rate": rate, "concurrency": concurrency, "tpot_s": tpot, "prefill_util": rho,
+            "kv_token_seconds": statistics.mean(kv_seconds), "duration_s": statistics.mean(duration)}
+
+
+# ---------------------------------------------------------------- configs
+def config_options(name: str, args, hysteresis: dict, cost_profile: str | None) -> dict:
+    base = {"workers": 2, "kv_cache_memory": args.kv_cache_memory, "dtype": args.dtype, "seed": args.seed}
+    if name == "dp":
+        return {**base, "topology": (1, 1), "overload": "off"}
+    if name == "pp":
+        return {**base, "topology": "1x2", "overload": "off"}
+    if name == "tp-merge":
+        return {**base, "topology": (1, 1), "overload": {"mode": "tp-merge", **hysteresis}}
+    if name == "morph":
+        return {**base, "topology": (1, 1), "overload": {"mode": "morph", **hysteresis}, "morph": "default",
+                "morph_options": {"precisions": ("w4",)}}
+    drop = {"mode": "drop", **hysteresis, "exchange": "coordinated", "lookahead": True}
+    if name == "+drop":
+        drop.update(exchange="blocking", lookahead=False)
+    elif name == "+exchange":
+        drop.update(lookahead=False)
+    elif name == "no-restore":
+        # restore_below must be > 0, and an idle deployment's demand (0) is below any positive threshold: only a
+        # restore hold longer than the run keeps it from restoring.
+        drop.update(restore_below=0.01, restore_hold_steps=10 ** 9)
+    return {**base, "topology": (1, 1), "overload": drop, "cost_profile": cost_profile}
+
+
+@dataclass
+class Run:
+    name: str
+    report: ReplayReport
+    timeline: Timeline
+    t0: float
+    t_end: float
+    counts: dict = field(default_factory=dict)
+    topology: str = ""
+    capacity_tokens: int = 0     # attached KV at the start (tokens)
+
+
+def metric_total(registry, name: str) -> float:
+    """Sum of every sample named `name` (all label values) in a prometheus registry."""
+    return sum(s.value for metric in registry.collect() for s in metric.samples if s.name == name)
+
+
+def counters(model) -> dict:
+    dep = model.deployment
+    registry = dep.metrics.registry
+    m = dep.deployment_metrics
+    return {"preemptions": metric_total(registry, "elastic_hf_preemptions_total"),
+            "exchange_bytes": metric_total(registry, "elastic_hf_kv_exchange_bytes_total"),
+            "exchange_s": metric_total(registry, "elastic_hf_kv_exchange_seconds_total"),
+            "reshape_kv_bytes": metric_total(registry, "elastic_hf_reshape_kv_moved_bytes_total"),
+            "morph_swaps": metric_total(registry, "elastic_hf_morph_swaps_total"),
+            "busy_s": m.pipeline_busy_s, "wall_s": m.pipeline_wall_s,
+            "reshapes": len(dep.reshapes), "history": len(dep.overload.history)}
+
+
+def run_config(name: str, args, requests, slo, hysteresis, cost_profile, bar) -> Run:
+    from elastic_hf import ElasticModel
+
+    bar.set_description(f"loading {name}")
+    options = config_options(name, args, hysteresis, cost_profile)
+    model = ElasticModel.from_pretrained(None, **options)
+    try:
+        dep = model.deployment
+        model.generate([[1, 2, 3]] * 2, max_tokens=2)   # warm-up: first forwards, native kernels
+        before = counters(model)
+        capacity = sum(i.engine.scheduler.allocator.num_total for i in dep.instances) * dep.config.block_size
+        topology = str(dep.topology)
+        timeline = Timeline(dep)
+        server = InProcessServer(model)
+        try:
+            bar.set_description(f"replay {name}")
+            t0 = time.perf_counter()
+            report = run_replay(server.base_url, requests, model=model.model_id, ttft_slo_s=slo[0],
+                                tpot_slo_s=slo[1])
+            t_end = time.perf_counter()
+            if name != "no-restore" and dep.overload.arbiter.active in ("drop", "tp-merge"):
+                bar.set_description(f"{name}: waiting for the restore")
+                deadline = time.monotonic() + args.restore_wait
+                while dep.overload.arbiter.active in ("drop", "tp-merge") and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        finally:
+            server.stop()
+        after = counters(model)
+        history = list(dep.overload.history)[before["history"]:]
+        committed = [h for h in history if h.get("outcome") == "committed"]
+        counts = {key: after[key] - before[key] for key in after if key != "history"}
+        counts.update(drops=sum(h["event"] == "drop" for h in committed),
+                      restores=sum(h["event"] == "restore" for h in committed),
+                      merges=sum(h["event"] == "tp-merge" for h in committed),
+                      refused=sum(h.get("event") in ("drop", "tp-merge", "restore")
+                                  and h.get("outcome") != "committed" for h in history),
+                      reshape_s=sum(r.seconds for r in dep.reshapes[before["reshapes"]:] if r.committed),
+                      reshape_preempted=sum(len(r.preempted) for r in dep.reshapes[before["reshapes"]:]),
+                      final_topology=str(dep.topology))
+        wall = counts["wall_s"]
+        counts["bubble"] = 1 - counts["busy_s"] / wall if wall > 0 else float("nan")
+        return Run(name, report, timeline, t0, t_end, counts, topology, capacity)
+    finally:
+        model.close()
+        del model
+        gc.collect()
+
+
+# ---------------------------------------------------------------- output
+def plot(path: str, runs: list[Run], slo_ttft: float, dp_capacity_tokens: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"drop": "tab:red", "tp-merge": "tab:orange", "restore": "tab:green", "exchange_done": "tab:gray"}
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.0 + 2.2 * len(runs)), sharex=True, sharey=True,
+                             squeeze=False)
+    kv_top = max(2.0, 1.1 * max((r[1] / dp_capacity_tokens for run in runs for r in run.timeline.rows), default=1))
+    for ax, run in zip(axes[:, 0], runs):
+        ok = [r for r in run.report.results if r.ok]
+        ax.scatter([r.arrival_s for r in ok], [r.ttft_s for r in ok], s=10, color="tab:blue", label="TTFT")
+        failed = [r.arrival_s for r in run.report.results if not r.ok]
+        if failed:
+            ax.scatter(failed, [0] * len(failed), marker="x", color="black", label="failed")
+        ax.axhline(slo_ttft, color="tab:blue", linestyle=":", linewidth=0.8, label="TTFT SLO")
+        ax.set_ylabel(f"{run.name}\nTTFT (s)")
+        ax2 = ax.twinx()
+        t = [r[0] - run.t0 for r in run.timeline.rows]
+        ax2.plot(t, [r[1] / dp_capacity_tokens for r in run.timeline.rows], color="tab:purple", linewidth=0.7,
+                 alpha=0.7, label="KV demand")
+        ax2.step(t, [r[2] / dp_capacity_tokens for r in run.timeline.rows], where="post", color="black",
+                 linewidth=0.7, alpha=0.7, label="KV capacity")
+        ax2.set_ylim(0, kv_top)
+        caps = [r[2] for r in run.timeline.rows] or [run.capacity_tokens]
+        ax.set_title(f"{run.name}: {run.topology} -> {run.counts['final_topology']}, KV capacity {min(caps)}.."
+                     f"{max(caps)} tokens (DP: {dp_capacity_tokens})", fontsize=8, loc="right")
+        ax2.set_ylabel("KV / DP capacity", fontsize=8)
+        for when, entry in run.timeline.events:
+            if entry.get("outcome", "committed") == "committed" and entry["event"] in colors:
+                ax.axvline(when - run.t0, color=colors[entry["event"]], linestyle="--", linewidth=1)
+        if ax is axes[0, 0]:
+            handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+            handles += [plt.Line2D([], [], color=c, linestyle="--", label=e) for e, c in colors.items()]
+            fig.legend(handles=handles, fontsize=7, loc="upper center", ncol=len(handles))
+    axes[-1, 0].set_xlabel("arrival time since replay start (s); events at the step boundary they committed at")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (1.0 + 2.2 * len(runs))))
+    fig.savefig(path, dpi=110)
+
+
+def fmt(value: float, digits: int = 3) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def print_results(runs: dict[str, Run], slo: tuple[float, float]) -> None:
+    print(f"\n{'config':<11}{'TTFT p50':>9}{'p99':>8}{'TPOT p50':>9}{'p99':>8}{'SLO':>7}{'tok/s':>7}{'drops':>6}"
+          f"{'rest.':>6}{'merge':>6}{'preem':>6}{'xchg MiB':>9}{'xchg s':>7}{'reshp s':>8}{'bubble':>7}  topology")
+    for name, run in runs.items():
+        r, c = run.report, run.counts
+        print(f"{name:<11}{fmt(r.ttft(50)):>9}{fmt(r.ttft(99)):>8}{fmt(r.tpot(50), 4):>9}{fmt(r.tpot(99), 4):>8}"
+              f"{100 * r.slo_attainment:>6.1f}%{r.output_throughput:>7.1f}{c['drops']:>6}{c['restores']:>6}"
+              f"{c['merges']:>6}{int(c['preemptions']):>6}{c['exchange_bytes'] / 2 ** 20:>9.1f}"
+              f"{c['exchange_s']:>7.2f}{c['reshape_s']:>8.2f}{fmt(c['bubble']):>7}  "
+              f"{run.topology}->{c['final_topology']}")
+    print(f"SLO: TTFT <= {slo[0]:.3f} s and TPOT <= {slo[1]:.4f} s; xchg: coordinated KV exchange bytes / seconds "
+          f"(a blocking exchange moves its KV inside the reshape: reshp s); bubble: 1 - busy / wall over every stage "
+          f"of every pipelined step ('-': never pipelined)")
+    for name, run in runs.items():
+        c = run.counts
+        extra = []
+        if c["refused"]:
+            extra.append(f"{c['refused']} refused/rolled back")
+        if c["reshape_kv_bytes"]:
+            extra.append(f"reshape KV moved {c['reshape_kv_bytes'] / 2 ** 20:.1f} MiB")
+        if c["reshape_preempted"]:
+            extra.append(f"{c['reshape_preempted']} requests preempted by reshapes")
+        if c["morph_swaps"]:
+            extra.append(f"{int(c['morph_swaps'])} morph layer swaps")
+        failed = len(run.report.results) - len(run.report.ok)
+        if failed:
+            extra.append(f"{failed} failed requests")
+        if extra:
+            print(f"  {name}: " + ", ".join(extra))
+    ablation = [(label, runs[name]) for label, name in (("+drop", "+drop"), ("+exchange", "+exchange"),
+                                                         ("+lookahead", "kunserve"), ("no-restore", "no-restore"))
+                if name in runs]
+    if len(ablation) > 1:
+        print("\nablation (KunServe §5.3, §5.5): blocking exchange -> coordinated exchange -> lookahead "
+              "micro-batches (= kunserve) -> without restore")
+        for label, run in ablation:
+            r = run.report
+            print(f"  {label:<11} TTFT p50 {fmt(r.ttft(50))} p99 {fmt(r.ttft(99))}  TPOT p50 {fmt(r.tpot(50), 4)} "
+                  f"p99 {fmt(r.tpot(99), 4)}  SLO {100 * r.slo_attainment:.1f}%  bubble {fmt(run.counts['bubble'])}")
+    if "dp" in runs:
+        dp = runs["dp"].report
+        print("\nratios vs dp (P99 TTFT gain = dp / config; P50 TPOT ratio = config / dp; throughput = config / dp):")
+        for name, run in runs.items():
+            r = run.report
+            print(f"  {name:<11} P99 TTFT gain {dp.ttft(99) / max(r.ttft(99), 1e-9):7.2f}x   P50 TPOT ratio "
+                  f"{r.tpot(50) / max(dp.tpot(50), 1e-9):6.2f}   P99 TPOT ratio {r.tpot(99) / max(dp.tpot(99), 1e-9):6.2f}"
+                  f"   throughput {r.output_throughput / max(dp.output_throughput, 1e-9):5.2f}")
+
+
+def main(argv=None) -> int:
+    from elastic_hf.units import parse_memory_budget
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=80, help="consecutive trace rows around the largest burst")
+    ap.add_argument("--kv-cache-memory", default="16MiB", help="KV bytes per worker as a DP instance (all configs)")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated subset of {', '.join(CONFIGS)} (+lookahead = kunserve)")
+    ap.add_argument("--cost-profile", default=None,
+                    help="`elastic-hf profile-cost` JSON for the drop configs (default: profile a small grid now "
+                         "into a temp dir)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompt windows and the engines")
+    ap.add_argument("--plot", default="param_drop.png", help="TTFT over arrival time per config ('' for none)")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    ap.add_argument("--prompt-scale", type=float, default=1 / 16, help="factor on trace prompt tokens")
+    ap.add_argument("--output-scale", type=float, default=2.0, help="factor on trace output tokens")
+    ap.add_argument("--max-prompt-tokens", type=int, default=256, help="prompt cap (shrunk to fit an instance)")
+    ap.add_argument("--max-output-tokens", type=int, default=96, help="output cap (shrunk to fit an instance)")
+    ap.add_argument("--target-util", type=float, default=0.55, help="mean KV demand / DP capacity (KunServe: < 60%%)")
+    ap.add_argument("--slo-scale", type=float, default=5.0, help="SLO = this x the DP's unloaded TTFT / TPOT")
+    ap.add_argument("--restore-wait", type=float, default=30.0,
+                    help="seconds to wait after the replay for a drop / merge still in effect to restore")
+    args = ap.parse_args(argv)
+    args.kv_cache_memory = parse_memory_budget(args.kv_cache_memory, None)
+    configs = []
+    for name in (c.strip() for c in args.configs.split(",") if c.strip()):
+        name = ALIASES.get(name, name)
+        if name not in CONFIGS:
+            ap.error(f"unknown config {name!r}; choose from {', '.join(CONFIGS)} (+lookahead = kunserve)")
+        if name not in configs:
+            configs.append(name)
+    torch.set_num_threads(1)   # the workers compute; this process tokenizes, serves HTTP and schedules
+
+    all_rows = load_trace(None)
+    window = find_burst_window(all_rows, args.num_requests)
+    print(f"machine: {machine_description()}, load average {os.getloadavg()[0]:.1f} at start")
+    print(f"window: {TRACE_NAME} rows {window.start}..{window.start + args.num_requests - 1} "
+          f"({window.rows[-1].arrival_s:.1f} s of trace): mean {window.mean_rate:.2f} req/s, peak over "
+          f"{window.sub} arrivals {window.peak_rate:.1f} req/s at row +{window.peak_offset} "
+          f"(burst factor {window.burst_factor:.1f}x the mean)")
+
+    cost_profile = args.cost_profile
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    with tqdm(total=len(configs) + 1 + (cost_profile is None and any(c in DROP_CONFIGS for c in configs)),
+              desc="param_drop", unit="phase") as bar:
+        if cost_profile is None and any(c in DROP_CONFIGS for c in configs):
+            bar.set_description("profile-cost (small grid)")
+            out_dir = tempfile.mkdtemp(prefix="param_drop_")
+            cost_profile = str(Path(out_dir) / "cost-profile.json")
+            exe = Path(sys.executable).with_name("elastic-hf")
+            cmd = [str(exe), "profile-cost", "--grid", "small", "--threads", str(threads), "--dtype", args.dtype,
+                   "--out", cost_profile, "--no-progress"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(done.stdout + done.stderr, file=sys.stderr)
+                raise SystemExit(f"`{' '.join(cmd)}` failed with exit code {done.returncode}")
+            tqdm.write(f"cost profile: {cost_profile} ({' '.join(cmd[1:])})\n  "
+                       + "\n  ".join(done.stdout.strip().splitlines()[-3:]))
+            bar.update()
+        elif cost_profile is not None:
+            tqdm.write(f"cost profile: {cost_profile} (given)")
+
+        scaled: dict = {}
+
+        def lengths(instance_tokens):
+            """Caps from the DP instance's capacity (first call); later calls: the median request of the window."""
+            if instance_tokens is not None:
+                cap_p, cap_o = length_caps(args, instance_tokens)
+                scaled["scale"] = TraceScale(1.0, args.prompt_scale, args.output_scale, cap_p, cap_o)
+                scaled["rows"] = scale_trace(window.rows, scaled["scale"])
+                return cap_p, cap_o
+            rows = scaled["rows"]
+            return (int(statistics.median(r.prompt_tokens for r in rows)),
+                    max(16, int(statistics.median(r.output_tokens for r in rows))))
+
+        cal, instance_blocks = calibrate(args, bar, lengths)
+        bar.update()
+        block = 16
+        capacity_tokens = 2 * instance_blocks * block
+        rows = scaled["rows"]
+        sol = solve_rate(rows, cal, capacity_tokens, args.target_util, block)
+        scale = replace(scaled["scale"], time_scale=time_scale_for_rate(rows, sol["rate"]))
+        rows = scale_trace(window.rows, scale)
+        from transformers import AutoTokenizer
+
+        from elastic_hf.model.loader import resolve_model
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir)
+        requests = build_requests(rows, tokenizer, seed=args.seed)
+        slo = (args.slo_scale * cal.unloaded_ttft_s, args.slo_scale * cal.unloaded_tpot_s)
+        mean_gap = rows[-1].arrival_s / max(len(rows) - 1, 1)
+        step = cal.step_at(max(1.0, sol["concurrency"] / 2)) / (1 - sol["prefill_util"])
+        hysteresis = {"hold_steps": 2, "restore_below": 0.5,
+                      "restore_hold_steps": max(8, round(RESTORE_HOLD_ARRIVALS * mean_gap / step)),
+                      "cooldown_steps": max(16, round(COOLDOWN_ARRIVALS * mean_gap / step))}
+
+        table = "  ".join(f"b={b}: {1e3 * s:.1f}" for b, s in cal.step_s.items())
+        flat = cal.step_s[max(cal.step_s)] / cal.step_s[min(cal.step_s)]
+        knee = next((b for b, s in cal.step_s.items() if s > 1.5 * cal.step_s[min(cal.step_s)]), None)
+        verdict = ("memory-bound over the whole range (step time roughly flat in batch)" if knee is None else
+                   f"memory-bound up to b~{knee // 2 if knee > 1 else 1}, compute-bound from b={knee} (step time "
+                   f"grows with batch)")
+        tqdm.write(f"DP decode step (ms, one instance, through the engine): {table}; b={max(cal.step_s)} costs "
+                   f"{flat:.2f}x b=1 -> {verdict}")
+        tqdm.write(f"DP prefill alone: {1e3 * cal.prefill_fixed_s:.0f} ms + {1e3 * cal.prefill_per_token_s:.2f} ms "
+                   f"per prompt token; KV block {cal.block_bytes} B")
+        tqdm.write(f"DP capacity: {instance_blocks} blocks per instance = {instance_blocks * block} tokens, "
+                   f"{capacity_tokens} tokens over both ({args.kv_cache_memory / 2 ** 20:.1f} MiB per worker)")
+        tqdm.write(f"lengths: {scale.describe()}: prompt mean {statistics.mean(r.prompt_tokens for r in rows):.0f}, "
+                   f"output mean {statistics.mean(r.output_tokens for r in rows):.1f}; every request <= "
+                   f"{int(REQUEST_KV_SHARE * 100)} % of one instance")
+        burst = rows[window.peak_offset:window.peak_offset + window.sub]
+        burst_tokens = sum(r.prompt_tokens + r.output_tokens for r in burst)
+        tqdm.write(f"time scale x{scale.time_scale:.3g}: mean {sol['rate']:.3f} req/s over {rows[-1].arrival_s:.1f} s "
+                   f"-> target mean KV demand {100 * args.target_util:.0f} % of the DP capacity (est. concurrency "
+                   f"{sol['concurrency']:.1f}, TPOT {1e3 * sol['tpot_s']:.0f} ms, prefill utilisation "
+                   f"{100 * sol['prefill_util']:.0f} %, {sol['kv_token_seconds']:.0f} KV token-s per request, a request "
+                   f"lasts ~{sol['duration_s']:.1f} s unloaded); the peak brings {len(burst)} requests holding up to "
+                   f"{burst_tokens} KV tokens ({100 * burst_tokens / capacity_tokens:.0f} % of the DP capacity) "
+                   f"within {burst[-1].arrival_s - burst[0].arrival_s:.1f} s")
+        tqdm.write(f"SLO ({args.slo_scale:g}x the DP's unloaded latency of a {cal.probe[0]}-token prompt, "
+                   f"{cal.probe[1]} outputs: TTFT {cal.unloaded_ttft_s:.3f} s, TPOT {cal.unloaded_tpot_s:.4f} s): "
+                   f"TTFT <= {slo[0]:.3f} s, TPOT <= {slo[1]:.4f} s")
+        tqdm.write(f"hysteresis (drop / merge configs): {hysteresis} (decode step at the expected load "
+                   f"~{1e3 * step:.0f} ms, mean inter-arrival {mean_gap:.2f} s)")
+
+        runs: dict[str, Run] = {}
+        for name in configs:
+            run = runs[name] = run_config(name, args, requests, slo, hysteresis, cost_profile, bar)
+            c = run.counts
+            demand = run.timeline.mean_demand(run.t0, run.t_end)
+            tqdm.write(f"[{name}] {run.report.summary().splitlines()[2]}; drops {c['drops']} restores "
+                       f"{c['restores']} merges {c['merges']} preemptions {int(c['preemptions'])}; KV capacity at start "
+                       f"{run.capacity_tokens} tokens; mean KV demand {100 * demand / capacity_tokens:.0f} % of the "
+                       f"DP capacity")
+            bar.update()
+
+    print_results(runs, slo)
+    if args.plot and runs:
+        plot(args.plot, list(runs.values()), slo[0], capacity_tokens)
+        print(f"plot: {args.plot}")
+
+    def ttft99(name):
+        return runs[name].report.ttft(99)
+
+    if "dp" in runs and "kunserve" in runs:
+        print(f"RESULT kunserve_p99_ttft_gain_vs_dp {ttft99('dp') / max(ttft99('kunserve'), 1e-9):.4g}")
+        print(f"RESULT kunserve_p50_tpot_ratio_vs_dp "
+              f"{runs['kunserve'].report.tpot(50) / max(runs['dp'].report.tpot(50), 1e-9):.4g}")
+    if "kunserve" in runs:
+        print(f"RESULT lookahead_bubble_ratio {runs['kunserve'].counts['bubble']:.4g}")
+    if "+exchange" in runs:
+        print(f"RESULT token_count_bubble_ratio {runs['+exchange'].counts['bubble']:.4g}")
+    if "kunserve" in runs and "+exchange" in runs:
+        tc = runs["+exchange"].counts["bubble"]
+        print(f"RESULT lookahead_vs_token_count_bubble {runs['kunserve'].counts['bubble'] / tc:.4g}"
+              if tc and not math.isnan(tc) else "RESULT lookahead_vs_token_count_bubble nan")
+    for name, run in runs.items():
+        print(f"RESULT {name.replace('+', 'plus_').replace('-', '_')}_p99_ttft_s {run.report.ttft(99):.4g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

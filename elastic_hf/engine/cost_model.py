@@ -1,0 +1,232 @@
+"""The micro-batch cost model of KunServe §4.3 (eq. 1-3), torch-free: how long one forward of a micro-batch of
+chunks takes, fitted offline by least squares on measured forwards (`elastic-hf profile-cost`).
+
+A chunk c of a request with p tokens already in the KV cache costs (eq. 1)
+
+    cost(c) = alpha * (p*c + c^2 + c) + beta * c + gamma        prefix-attn + self-attn, linears, per chunk
+
+and a micro-batch b of chunks shares its parameter reads (eq. 3)
+
+    cost(b) = sum_c cost(c) - (|b| - 1) * lam.
+
+We split that into two parts a pipeline stage pays differently:
+
+- the *decoder part*: eq. 1-3 as written, for all decoder layers of the profiled model (its per-step fixed costs,
+  metadata and the embedding lookup, ride along in gamma and lam). A stage holding k of the N layers pays k/N of it.
+- the *head part*: `head` seconds per row that goes through the final norm and the LM head (a chunk that ends with
+  a sampled row). Only the last stage pays it; on a small model with a large vocabulary (SmolLM2: 49k rows) one
+  row costs as much as several decoder tokens, so it is a term of its own, not folded into beta.
+
+`fit_token_linear` is the baseline that token-count chunking assumes (time = a * tokens + b)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = 1   # the "format" key of the JSON file; bump on an incompatible change
+MIN_TOKENS_WORK_PER_FIXED = 1.0   # see choose_min_tokens
+MAX_MIN_TOKENS = 4096
+MAX_CONDITION = 1e8   # of the column-scaled design matrix; beyond it a coefficient is noise times a large factor
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    prefix: int             # tokens of the request already in the KV cache before this chunk
+    tokens: int             # new tokens of the chunk (1: a decode)
+    sampled: bool = False   # the chunk ends with a row through the LM head
+
+
+def attention_work(chunk: Chunk) -> int:
+    """The attention term of eq. 1: query-key pairs against the prefix (p*c) and within the chunk (c^2 + c)."""
+    return chunk.prefix * chunk.tokens + chunk.tokens * chunk.tokens + chunk.tokens
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Coefficients in seconds (eq. 1-3) for one model on one machine. `min_tokens` is MIN of Fig. 11: a
+    micro-batch with fewer tokens wastes the device on fixed costs (see choose_min_tokens)."""
+    alpha: float        # per query-key pair of attention, all decoder layers
+    beta: float         # per token: the linears (QKV/O projections, MLP), all decoder layers
+    gamma: float        # per chunk
+    lam: float          # shared per extra chunk of a micro-batch (eq. 3)
+    head: float         # per sampled row: final norm + LM head
+    num_layers: int     # decoder layers of the profiled model
+    min_tokens: int
+    source: str = ""    # model id and machine
+
+    def __post_init__(self):
+        for name in ("alpha", "beta", "gamma", "lam", "head"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"cost model coefficient {name} must be finite and >= 0, got {value}")
+        if self.num_layers < 1 or self.min_tokens < 1:
+            raise ValueError(f"cost model needs num_layers >= 1 and min_tokens >= 1, got {self.num_layers} and "
+                             f"{self.min_tokens}")
+
+    def chunk_cost(self, chunk: Chunk) -> float:
+        """Eq. 1 for the whole model, plus the head row when the chunk samples."""
+        return self.decoder_cost([chunk]) + self.head_cost([chunk])
+
+    def decoder_cost(self, chunks: list[Chunk]) -> float:
+        """Eq. 3 over all decoder layers; 0 for an empty micro-batch."""
+        if not chunks:
+            return 0.0
+        work = sum(self.alpha * attention_work(c) + self.beta * c.tokens for c in chunks)
+        return work + len(chunks) * self.gamma - (len(chunks) - 1) * self.lam
+
+    def head_cost(self, chunks: list[Chunk]) -> float:
+        return self.head * sum(c.sampled for c in chunks)
+
+    def batch_cost(self, chunks: list[Chunk], layer_fraction: float = 1.0, last_stage: bool = True) -> float:
+        """One micro-batch on a pipeline stage holding `layer_fraction` of the decoder layers; only the last stage
+        pays the LM head rows."""
+        head = self.head_cost(chunks) if last_stage else 0.0
+        return layer_fraction * self.decoder_cost(chunks) + head
+
+    # ------------------------------------------------------------------ file format
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, "kind": "cost-model", **asdict(self)}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostModel":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"a cost model file is JSON; this is not ({exc})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("kind") != "cost-model":
+            got = (data.get("kind"), data.get("format")) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"not a cost model of format {FORMAT}: kind/format {got}")
+        fields = ("alpha", "beta", "gamma", "lam", "head", "num_layers", "min_tokens")
+        missing = [name for name in fields if name not in data]
+        if missing:
+            raise ValueError(f"cost model file misses {missing}")
+        return cls(*(float(data[n]) for n in fields[:5]), int(data["num_layers"]), int(data["min_tokens"]),
+                   str(data.get("source", "")))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"cost model {path} does not exist: write one with `elastic-hf profile-cost`")
+        try:
+            return cls.from_json(path.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class TokenLinearModel:
+    """The baseline: time = per_token * tokens + fixed, blind to attention and to where a chunk sits in its
+    request. Same interface as CostModel.batch_cost (it does not tell the head apart, so last_stage is unused)."""
+    per_token: float
+    fixed: float
+
+    def batch_cost(self, chunks: list[Chunk], layer_fraction: float = 1.0, last_stage: bool = True) -> float:
+        if not chunks:
+            return 0.0
+        return layer_fraction * (self.per_token * sum(c.tokens for c in chunks) + self.fixed)
+
+
+Sample = tuple[list[Chunk], float]   # a micro-batch and its measured seconds
+
+
+def eq3_features(chunks: list[Chunk]) -> list[float]:
+    """The regressors of `fit`, in the order of its coefficients."""
+    return [sum(attention_work(c) for c in chunks), sum(c.tokens for c in chunks), len(chunks), 1.0,
+            sum(c.sampled for c in chunks)]
+
+
+def fit(samples: list[Sample], num_layers: int, *, source: str = "", min_tokens: int | None = None) -> CostModel:
+    """Least squares (KunServe §4.3) of eq. 1-3 on measured micro-batches.
+
+    gamma and lam are not identifiable as written: cost(b) holds |b|*gamma - (|b|-1)*lam = (gamma - lam)*|b| + lam,
+    so the regression is linear in [attention work, tokens, |b|, 1, sampled rows] with coefficients
+    [alpha, beta, gamma - lam, lam, head], and gamma = (gamma - lam) + lam. lam is the intercept: the cost of a
+    forward whatever it holds (on a CPU mostly streaming the weights), which eq. 3 lets a batch pay once.
+
+    Residuals are relative (rows scaled by 1/time), so a 20 ms decode batch weighs as much as a 2 s prefill: the
+    balance of micro-batches depends on relative errors. A negative coefficient is noise around a small true
+    value (alpha on a model whose attention is a sliver of its linears at the profiled lengths); a cost model with
+    one would prefer longer prefixes or larger batches (and gamma < lam would make one more chunk shrink a
+    micro-batch's cost), so the most negative is fixed at 0 and the rest refitted until none is (an active-set
+    non-negative least squares)."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    num_coefficients = 5
+    if len(samples) < 2 * num_coefficients:
+        raise ValueError(f"fitting {num_coefficients} coefficients needs at least {2 * num_coefficients} measured "
+                         f"micro-batches, got {len(samples)}")
+    times = np.array([t for _, t in samples], dtype=np.float64)
+    if not np.all(np.isfinite(times)) or np.any(times <= 0):
+        raise ValueError(f"measured times must be finite and > 0; got min {times.min()} max {times.max()}")
+    features = np.array([eq3_features(chunks) for chunks, _ in samples], dtype=np.float64)
+    coefficients = _nonnegative_lstsq(features / times[:, None], np.ones_like(times),
+                                      ["attention work", "tokens", "chunks", "intercept", "sampled rows"])
+    alpha, beta, gamma_minus_lam, lam, head = (float(v) for v in coefficients)
+    model = CostModel(alpha, beta, gamma_minus_lam + lam, lam, head, num_layers,
+                      1 if min_tokens is None else min_tokens, source)
+    return model if min_tokens is not None else replace(model, min_tokens=choose_min_tokens(model))
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray, names: list[str]) -> np.ndarray:
+    scale = np.abs(a).max(axis=0)
+    zero = [names[i] for i in np.flatnonzero(scale == 0)]
+    if zero:
+        raise ValueError(f"no sample has any {zero}: the cost model cannot be fitted (profile micro-batches "
+                         f"with attention, several chunks and sampled rows)")
+    scaled = a / scale   # columns in [-1, 1]: the condition number then measures collinearity, not units
+    singular = np.linalg.svd(scaled, compute_uv=False)
+    condition = singular[0] / singular[-1] if singular[-1] > 0 else math.inf
+    if condition > MAX_CONDITION:
+        raise ValueError(f"the samples do not determine the {a.shape[1]} coefficients {names} (condition number "
+                         f"{condition:.3g} > {MAX_CONDITION:.0g}): vary prefix, chunk size, chunks per micro-batch "
+                         f"and sampled rows independently")
+    active = list(range(a.shape[1]))
+    while True:
+        solution, *_ = np.linalg.lstsq(scaled[:, active], b, rcond=None)
+        if solution.min() >= 0:
+            break
+        active.pop(int(np.argmin(solution)))
+        if not active:
+            raise ValueError("every coefficient of the cost model fits negative: the timings do not grow with work")
+    out = np.zeros(a.shape[1])
+    out[active] = solution
+    return out / scale
+
+
+def choose_min_tokens(model: CostModel, work_per_fixed: float = MIN_TOKENS_WORK_PER_FIXED) -> int:
+    """MIN of Fig. 11: the fewest tokens c of a fresh one-chunk micro-batch whose token work (beta*c +
+    alpha*(c^2 + c)) is at least `work_per_fixed` times its fixed cost (gamma): where the per-token cost
+    gamma/c + beta + alpha*(c + 1) has come within 2x of its floor and stops falling fast.
+
+    Why 1.0: a micro-batch of work 2w and fixed cost o takes 2w + o on a 2-stage pipeline that runs it alone,
+    and (3/2)(w + o) as two micro-batches of w (three pipeline slots of half the layers each); splitting wins
+    only when w > o, i.e. when each half's token work exceeds its fixed cost. Capped at MAX_MIN_TOKENS."""
+    for tokens in range(1, MAX_MIN_TOKENS + 1):
+        if model.beta * tokens + model.alpha * (tokens * tokens + tokens) >= work_per_fixed * model.gamma:
+            return tokens
+    return MAX_MIN_TOKENS
+
+
+def fit_token_linear(samples: list[Sample]) -> TokenLinearModel:
+    """time = per_token * tokens + fixed by the same relative least squares as `fit` (both clamped at 0)."""
+    if len(samples) < 2:
+        raise ValueError(f"fitting time = a * tokens + b needs at least 2 measured micro-batches, got {len(samples)}")
+    times = np.array([t for _, t in samples], dtype=np.float64)
+    if np.any(times <= 0):
+        raise ValueError(f"measured times must be > 0; got min {times.min()}")
+    features = np.array([[sum(c.tokens for c in chunks), 1.0] for chunks, _ in samples], dtype=np.float64)
+    per_token, fixed = _nonnegative_lstsq(features / times[:, None], np.ones_like(times), ["tokens", "intercept"])
+    return TokenLinearModel(float(per_token), float(fixed))
+
+
+def relative_errors(model, samples: list[Sample]) -> list[float]:
+    """|predicted - measured| / measured per sample (model: CostModel or TokenLinearModel)."""
+    return [abs(model.batch_cost(chunks) - t) / t for chunks, t in samples]

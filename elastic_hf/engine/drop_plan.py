@@ -1,0 +1,75 @@
+"""Parameter drop plans (KunServe §4.1, Fig. 6), torch-free: which instance groups to merge into pipelines so that
+the copies of the decoder layers they stop holding free enough memory for the queued requests, and how a merged
+pipeline splits its layers over its stages.
+
+Fig. 6 merges the two smallest groups until enough is freed: the performance lost grows with the stages a request
+crosses (Fig. 5), so groups stay as small as possible. Our topologies lay instances over consecutive workers, so
+only adjacent groups can merge: the greedy picks the adjacent pair with the smallest merged size (leftmost on a
+tie). Two groups that each hold one full copy of the decoder layers hold one after the merge, so every merge frees
+one copy (`layer_bytes`: all decoder layers of the model as one worker holds them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class DropPlan:
+    groups: tuple[tuple[int, ...], ...]   # indices of the current groups forming each new group, in worker order
+    new_sizes: tuple[int, ...]            # workers of each new group
+    freed_bytes: int
+    demand_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DropRefusal:
+    reason: str   # with the numbers: it goes to the log and a metric label
+
+
+def plan_drop(group_sizes: list[int], layer_bytes: int, demand_bytes: int) -> DropPlan | DropRefusal:
+    """Fig. 6 over adjacent groups. group_sizes: workers of each current group in worker order (1: a data-parallel
+    instance with a full copy of the layers; n: an n-stage pipeline holding one copy). A refusal sends the caller
+    to the KV-centric fallback (§4.1: queue or preempt, and scale out)."""
+    if not group_sizes or any(size < 1 for size in group_sizes):
+        raise ValueError(f"group sizes must be >= 1 workers each, got {list(group_sizes)}")
+    if demand_bytes <= 0:
+        return DropRefusal(f"nothing to free: demand is {demand_bytes} bytes")
+    if layer_bytes <= 0:
+        return DropRefusal(f"dropping frees nothing: the decoder layers hold {layer_bytes} bytes per copy")
+    most = (len(group_sizes) - 1) * layer_bytes
+    if most < demand_bytes:
+        return DropRefusal(f"demand {demand_bytes} bytes exceeds the {most} bytes that merging all "
+                           f"{len(group_sizes)} groups (sizes {list(group_sizes)}) into one frees "
+                           f"({len(group_sizes) - 1} copies of {layer_bytes} bytes)")
+    members = [(i,) for i in range(len(group_sizes))]
+    sizes = list(group_sizes)
+    freed = 0
+    while freed < demand_bytes:
+        # The adjacent pair with the smallest merged size; min() keeps the leftmost of equal pairs.
+        i = min(range(len(sizes) - 1), key=lambda k: sizes[k] + sizes[k + 1])
+        members[i:i + 2] = [members[i] + members[i + 1]]
+        sizes[i:i + 2] = [sizes[i] + sizes[i + 1]]
+        freed += layer_bytes
+    return DropPlan(tuple(members), tuple(sizes), freed, demand_bytes)
+
+
+def stage_split(num_layers: int, num_stages: int, layer_cost: float, head_cost: float) -> tuple[int, ...]:
+    """Decoder layers per stage of a merged pipeline that minimise the slowest stage, when the last stage also
+    runs the final norm and the LM head (`head_cost`, in the unit of `layer_cost`): the last stage holds fewer
+    layers. Every stage holds at least one. Among equally slow splits the most even wins (least sum of squared
+    stage costs), then the one with the fewest layers on the last stage; the other stages differ by at most one
+    layer, the earlier ones holding more (topology.split_layers when head_cost is 0)."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"num_stages must be in [1, {num_layers}] to split {num_layers} layers, got {num_stages}")
+    if layer_cost < 0 or head_cost < 0:
+        raise ValueError(f"stage costs must be >= 0, got layer_cost={layer_cost} head_cost={head_cost}")
+    if num_stages == 1:
+        return (num_layers,)
+    best, best_key = None, None
+    for last in range(1, num_layers - num_stages + 2):
+        base, extra = divmod(num_layers - last, num_stages - 1)
+        split = tuple(base + (stage < extra) for stage in range(num_stages - 1)) + (last,)
+        costs = [n * layer_cost for n in split[:-1]] + [last * layer_cost + head_cost]
+        key = (max(costs), sum(c * c for c in costs), last)
+        if best_key is None or key < best_key:
+            best, best_key = split, key
+    return best

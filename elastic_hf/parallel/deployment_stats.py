@@ -1,0 +1,26 @@
+"""Read-only views of a deployment for metrics and `stats()`: totals over every instance engine."""
+from __future__ import annotations
+
+TOTALS = ("kv_blocks_used", "kv_blocks_total", "num_waiting", "num_running", "num_exchanging", "num_requests",
+          "num_steps", "num_preemptions")
+
+
+def load_totals(instances) -> tuple[int, int, int, int]:
+    """KV blocks used and attached, waiting and running sequences over every instance (EngineMetrics.load_totals:
+    kv_cache_usage_perc is used / attached over all of them). Sequences stalled on a KV exchange count as running:
+    they hold their blocks and belong to the running batch."""
+    schedulers = [i.engine.scheduler for i in instances]
+    return (sum(s.allocator.num_used for s in schedulers), sum(s.allocator.num_total for s in schedulers),
+            sum(len(s.waiting) for s in schedulers), sum(len(s.running) + len(s.exchanging) for s in schedulers))
+
+
+def deployment_stats(deployment) -> dict:
+    per_instance = [{"workers": list(i.workers), **i.engine.stats()} for i in deployment.instances]
+    totals = {key: sum(i[key] for i in per_instance) for key in TOTALS}
+    for key in ("num_steps", "num_preemptions"):   # engines replaced by a reshape keep counting
+        totals[key] += deployment.retired[key]
+    committed = [r.committed for r in deployment.reshapes]
+    return {**totals, "topology": str(deployment.topology),
+            "num_computed_prompt_tokens": deployment.num_computed_prompt_tokens,
+            "num_reshapes": sum(committed), "num_rolled_back": len(committed) - sum(committed),
+            "reshape_seconds": [round(r.seconds, 4) for r in deployment.reshapes if r.committed], "instances": per_instance}

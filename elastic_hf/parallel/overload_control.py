@@ -1,0 +1,242 @@
+"""Executes the overload arbiter's decisions on a deployment (engine/overload.py decides): parameter drops
+(KunServe §4.1-4.2) with their coordinated KV exchange, TP merges, restores, and which morph controllers may act.
+Also the operator's surface: `drop` and `restore` (POST /admin/drop, /admin/restore; ElasticModel.drop/restore).
+
+A drop is a reshape transaction into pipeline groups whose KV moves after the commit point
+(`run_reshape(defer_kv=True)`): every member releases the layers it no longer owns before anything else (the pages
+go back; ledger and RSS show it), the new pools take the freed bytes as KV blocks at once, the queued requests run
+while the running ones wait for their KV (parallel/kv_exchange.py), and nothing is recomputed. The layer split of a
+group comes from the fitted cost model when one is configured (`elastic-hf profile-cost`), else from the weight
+bytes of a layer and of the LM head (decode reads every weight once per step, so bytes track time)."""
+from __future__ import annotations
+
+import logging
+import time
+
+from elastic_hf.engine.drop_plan import DropRefusal, plan_drop, stage_split
+from elastic_hf.engine.overload import OverloadArbiter, OverloadDecision, OverloadSnapshot
+from elastic_hf.parallel.kv_exchange import KVExchange
+from elastic_hf.parallel.overload_metrics import OverloadMetrics
+from elastic_hf.parallel.reshape import ReshapeAborted, ReshapeReport, run_reshape
+from elastic_hf.topology import InstanceShape, Topology
+from elastic_hf.units import ceil_div
+
+log = logging.getLogger(__name__)
+
+SPLIT_PREFIX_TOKENS = 512   # context of the decode step the cost-model split is balanced for
+
+
+class OverloadControl:
+    def __init__(self, deployment):
+        self.dep = deployment
+        config = deployment.config
+        self.policy = config.overload
+        has_morph = any(m.controller is not None for m in deployment.morph_managers.values())
+        self.arbiter = OverloadArbiter(self.policy, has_morph, config.num_workers > 1)
+        self.metrics = OverloadMetrics(deployment.metrics.registry, config.num_workers)
+        self.base_topology: Topology = deployment.topology
+        self.exchange: KVExchange | None = None
+        self.cost_model = None
+        if config.cost_profile is not None:
+            from elastic_hf.engine.cost_model import CostModel
+
+            self.cost_model = CostModel.load(config.cost_profile)
+        info = deployment.pool.call(0, "info")
+        self.layer_bytes = info["weights_tp1_bytes"] - info["replicated_weights_bytes"]   # all decoder layers
+        self.head_bytes = info["lm_head_bytes"]
+        self.base_weights = [r["weights_bytes"] for r in deployment.memory_report()]
+        self.history: list[dict] = []   # drops, merges and restores with their outcome (GET /admin/drop)
+        self.apply_morph_gate()
+
+    # ------------------------------------------------------------------ every step
+    def on_step(self, stage_busy_s: float | None) -> None:
+        """At a step boundary: one chunk of an exchange in flight, then the arbiter's decision."""
+        if self.exchange is not None:
+            self.exchange.advance(stage_busy_s if self.dep.has_runnable_work() else None)
+            if self.exchange.done:
+                self.history.append({"event": "exchange_done", **_exchange_dict(self.exchange)})
+                self.exchange = None
+        self.metrics.exchanging.set(sum(len(i.engine.scheduler.exchanging) for i in self.dep.instances))
+        errors = [i.engine.runner.last_cost_error for i in self.dep.instances
+                  if i.engine.runner.lookahead is not None and i.engine.runner.last_cost_error is not None]
+        if errors:
+            self.metrics.cost_model_error.set(max(errors))
+        snap = self.snapshot()
+        self.metrics.demand_ratio.set(snap.demand_ratio)
+        decision = self.arbiter.decide(snap)
+        if decision is not None:
+            self.execute(decision, snap)
+
+    def wants_steps(self) -> bool:
+        """Keep an idle driver stepping while an exchange is in flight or a drop / merge waits for its restore
+        window (the low load must be observed at step boundaries)."""
+        return self.exchange is not None or self.arbiter.active in ("drop", "tp-merge")
+
+    def snapshot(self) -> OverloadSnapshot:
+        dep = self.dep
+        bs = dep.config.block_size
+        demand = capacity = 0
+        for inst in dep.instances:
+            scheduler = inst.engine.scheduler
+            queued = sum(ceil_div(len(s.token_ids) + 1, bs) for s in scheduler.waiting)
+            demand += (scheduler.allocator.num_used + queued) * bs
+            capacity += scheduler.allocator.num_total * bs
+        base = sum(dep.capacity(key) for key in self.base_topology.instance_keys()) * bs
+        gain = sum(m.gain_left_blocks() for m in dep.morph_managers.values()) * bs
+        morphed = any(not m.is_full_precision() for m in dep.morph_managers.values())
+        return OverloadSnapshot(demand, capacity, base, gain, morphed)
+
+    def execute(self, decision: OverloadDecision, snap: OverloadSnapshot) -> bool:
+        log.info("overload: %s (%s)", decision.action, decision.reason)
+        action = decision.action
+        ok = True
+        if action == "drop":
+            ok = self.drop(snap.demand_tokens - snap.capacity_tokens) is not None
+            if not ok and self.policy.mode == "auto":
+                action, ok = "tp-merge", self.tp_merge() is not None   # the fallback when no drop plan exists
+        elif action == "tp-merge":
+            ok = self.tp_merge() is not None
+        elif action == "restore":   # an operator may have restored already: that counts
+            ok = self.restore() is not None or self.dep.topology == self.base_topology
+        self.metrics.decisions.labels(action=action, outcome="done" if ok else "refused").inc()
+        self.arbiter.done(action, ok)
+        self.metrics.set_active(self.arbiter.active)
+        self.apply_morph_gate()
+        return ok
+
+    def apply_morph_gate(self) -> None:
+        """Morph controllers act only when the arbiter lets them (overload off: as configured by the morph mode)."""
+        if self.policy.mode == "off":
+            return
+        for manager in self.dep.morph_managers.values():
+            if manager.controller is not None and manager.controller.enabled != self.arbiter.morph_controllers_on:
+                manager.set_controller(self.arbiter.morph_controllers_on)
+
+    # ------------------------------------------------------------------ the responses
+    def drop(self, demand_tokens: int = 1) -> ReshapeReport | None:
+        """Drop replicated layers to free at least `demand_tokens` of KV (1: the smallest drop, merging the two
+        smallest neighbouring groups). Returns the committed reshape, or None when there is no plan or the
+        transaction rolled back (the layout serves on as before; the reason is logged and counted)."""
+        dep = self.dep
+        if any(inst.shape.tp != 1 for inst in dep.instances):
+            return self._refused("drop", f"drop groups data-parallel TP1 instances; topology is {dep.topology}")
+        token_bytes = self.layer_bytes_per_token()
+        plan = plan_drop([inst.shape.pp for inst in dep.instances], self.layer_bytes,
+                         max(demand_tokens, 1) * token_bytes)
+        if isinstance(plan, DropRefusal):
+            return self._refused("drop", plan.reason)
+        target = [self.group_shape(n) for n in plan.new_sizes]
+        report = self._reshape("drop", target, defer_kv=self.policy.exchange == "coordinated")
+        if report is not None and self.cost_model is not None and self.policy.lookahead:
+            for inst in dep.instances:
+                if inst.shape.pp > 1:
+                    inst.engine.runner.lookahead = self.cost_model   # KunServe §4.3: only while overloaded
+        return report
+
+    def tp_merge(self) -> ReshapeReport | None:
+        """Merge neighbouring TP1 instances in pairs into TP2 ones (each worker then holds half of the weights)."""
+        dep = self.dep
+        sizes = dep.topology.sizes
+        if 2 not in dep.degrees or any(s != 1 for s in sizes) or len(sizes) < 2:
+            return self._refused("tp-merge", f"a TP merge needs TP1 instances and TP2 allowed; topology "
+                                             f"{dep.topology}, degrees {list(dep.degrees)}")
+        target = [2] * (len(sizes) // 2) + [1] * (len(sizes) % 2)
+        return self._reshape("tp-merge", target)
+
+    def restore(self) -> ReshapeReport | None:
+        """Back to the configured layout: the dropped layers (or full shards) come back from the shared host store
+        while the KV is redistributed (KunServe §4.4)."""
+        if self.dep.topology == self.base_topology:
+            return None
+        return self._reshape("restore", self.base_topology)
+
+    def settle_exchange(self) -> None:
+        if self.exchange is not None:
+            self.exchange.run_to_end()
+            self.history.append({"event": "exchange_done", **_exchange_dict(self.exchange)})
+            self.exchange = None
+
+    def start_exchange(self, plan) -> None:
+        """Called by the deployment right after a deferred-KV plan's commit (resume)."""
+        dep = self.dep
+        workers = sorted({w for t in plan.transfers for w in (t.src_worker, t.dst_worker)}
+                         | {w for idx, ws in enumerate(plan.new.instances()) if idx not in plan.kept for w in ws})
+        touched = [inst for idx, inst in enumerate(dep.instances)
+                   if idx not in plan.kept or inst.engine.scheduler.exchanging]
+        self.exchange = KVExchange(dep.pool, workers, touched, dep.num_layers, self.metrics)
+        if not plan.transfers:   # no running request moved: only the old pools to close
+            self.settle_exchange()
+
+    def on_workers_lost(self, dead: list[int]) -> None:
+        """A group member died: an exchange in flight is abandoned (the survivors drop the KV in transit; the
+        deployment recomputes its requests)."""
+        if self.exchange is not None:
+            self.exchange.abandon([w for w in self.exchange.workers if w not in dead])
+            self.exchange = None
+
+    # ------------------------------------------------------------------ helpers
+    def layer_bytes_per_token(self) -> int:
+        """KV bytes one token takes over all layers on a TP1 worker (what a freed weight byte buys)."""
+        info = self.dep.pool.call(0, "info")
+        return max(1, info["kv_block_bytes_tp1"] // self.dep.config.block_size)
+
+    def group_shape(self, n: int) -> InstanceShape | int:
+        if n == 1:
+            return 1
+        num_layers = self.dep.num_layers
+        if self.cost_model is not None:
+            from elastic_hf.engine.cost_model import Chunk
+
+            # A representative overloaded decode step: the split balances what a stage spends per step.
+            step = [Chunk(prefix=SPLIT_PREFIX_TOKENS, tokens=1, sampled=True)] * self.dep.config.max_num_seqs
+            layer_cost = self.cost_model.decoder_cost(step) / self.cost_model.num_layers
+            head_cost = self.cost_model.head_cost(step)
+        else:
+            layer_cost, head_cost = self.layer_bytes / num_layers, self.head_bytes
+        return InstanceShape(1, n, stage_split(num_layers, n, layer_cost, head_cost))
+
+    def _reshape(self, kind: str, target, defer_kv: bool = False) -> ReshapeReport | None:
+        started = time.perf_counter()
+        try:
+            report = run_reshape(self.dep, target, defer_kv=defer_kv)
+        except (ValueError, ReshapeAborted) as exc:
+            outcome = "rolled_back" if isinstance(exc, ReshapeAborted) else "refused"
+            if kind == "drop":
+                self.metrics.drops.labels(outcome=outcome).inc()
+            self.history.append({"event": kind, "outcome": outcome, "reason": str(exc)})
+            log.warning("%s to %s %s: %s", kind, target, outcome.replace("_", " "), exc)
+            return None
+        if kind == "drop":
+            self.metrics.drops.labels(outcome="committed").inc()
+        elif kind == "restore" and report.old.startswith("[1x"):
+            self.metrics.drops.labels(outcome="restored").inc()
+        weights = [r["weights_bytes"] for r in self.dep.memory_report()]
+        for w, (before, now) in enumerate(zip(self.base_weights, weights)):
+            self.metrics.dropped_bytes.labels(worker=str(w)).set(max(0, before - now))
+        self.history.append({"event": kind, "outcome": "committed", "old": report.old, "new": report.new,
+                             "seconds": round(time.perf_counter() - started, 4),
+                             "dropped_weight_bytes": [max(0, b - n) for b, n in zip(self.base_weights, weights)]})
+        return report
+
+    def _refused(self, kind: str, reason: str) -> None:
+        log.info("%s refused, the deployment serves on as before: %s", kind, reason)
+        if kind == "drop":
+            self.metrics.drops.labels(outcome="refused").inc()
+        self.history.append({"event": kind, "outcome": "refused", "reason": reason})
+        return None
+
+    def state(self) -> dict:
+        snap = self.snapshot()
+        return {"mode": self.policy.mode, "active": self.arbiter.active, "topology": str(self.dep.topology),
+                "base_topology": str(self.base_topology), "demand_tokens": snap.demand_tokens,
+                "capacity_tokens": snap.capacity_tokens, "base_capacity_tokens": snap.base_capacity_tokens,
+                "demand_ratio": round(snap.demand_ratio, 4),
+                "exchange": None if self.exchange is None else _exchange_dict(self.exchange),
+                "history": list(self.history)}
+
+
+def _exchange_dict(exchange: KVExchange) -> dict:
+    s = exchange.stats
+    return {"layers_left": max(exchange.next_end, 0), "chunks": s.chunks, "chunk_layers": list(s.chunk_layers),
+            "sent_bytes": s.sent_bytes, "seconds": round(s.seconds, 4), "wall_seconds": round(s.wall_seconds, 4),
+            "parked_seqs": s.num_parked_seqs, "stalled_now": exchange.num_parked}

@@ -1,0 +1,207 @@
+"""Parameter dropping (KunServe): two data-parallel instances drop replicated layers into one pipeline group, the
+KV of running requests is exchanged between steps (never recomputed), queued requests run meanwhile, and the
+layers come back on restore. Exact greedy tokens against HF, the ledger and RSS against the dropped layers' bytes,
+failures before the commit point roll back, a member killed mid-exchange is replaced and its requests recomputed."""
+import pytest
+import torch
+
+from elastic_hf import ElasticModel
+from elastic_hf.engine.sampling_params import SamplingParams
+from elastic_hf.model.loader import load_hf_model
+from elastic_hf.parallel.worker_reshape import RESHAPE_STAGES
+from greedy_reference import hf_greedy, mixed_prompts
+
+MAX_NEW = 12
+KV = 512 << 10   # per worker: ~24 blocks of this model, so 6 requests per instance overload it
+
+
+@pytest.fixture(scope="module")
+def drop_checkpoint(tmp_path_factory):
+    from tiny_models import build_tiny_checkpoint
+
+    # 5 layers with a wide MLP (1.6 MiB per layer fp32): a dropped layer shows in the ledger and in RSS.
+    return build_tiny_checkpoint("llama", tmp_path_factory.mktemp("drop") / "llama", 0, num_hidden_layers=5,
+                                 intermediate_size=2048)
+
+
+@pytest.fixture(scope="module")
+def reference(drop_checkpoint):
+    return load_hf_model(drop_checkpoint)
+
+
+def _model(path, **options):
+    # max_num_seqs=4: each instance runs 4 requests and queues the rest (no preemption), so any re-prefill would
+    # show in num_computed_prompt_tokens.
+    return ElasticModel.from_pretrained(path, workers=2, kv_cache_memory=KV, max_num_batched_tokens=48,
+                                        max_num_seqs=4, **options)
+
+
+class Driver:
+    """Steps a deployment and records every request's tokens and whether a first token came while a KV exchange
+    was in flight."""
+
+    def __init__(self, dep):
+        self.dep = dep
+        self.done: dict[str, list[int]] = {}
+        self.first_token_during_exchange: set[str] = set()
+        self.seen: set[str] = set()
+
+    def step(self, n=1):
+        for _ in range(n):
+            exchanging = self.dep.overload.exchange is not None
+            for out in self.dep.step():
+                if out.request_id not in self.seen and out.outputs[0].token_ids:
+                    self.seen.add(out.request_id)
+                    if exchanging:
+                        self.first_token_during_exchange.add(out.request_id)
+                if out.finished:
+                    self.done[out.request_id] = out.outputs[0].token_ids
+
+    def until(self, ids):
+        for _ in range(2000):
+            if all(r in self.done for r in ids):
+                return
+            self.step()
+        raise AssertionError(f"requests {sorted(set(ids) - set(self.done))} did not finish")
+
+
+def _started(dep, prompts):
+    """The prompts added as greedy requests and two steps run: both instances decode, some prompts mid-chunk."""
+    run = Driver(dep)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    ids = [dep.add_request(None, p, params) for p in prompts]
+    run.step(2)
+    return run, ids
+
+
+def test_drop_restore_drop_keeps_greedy_tokens_without_reprefill(drop_checkpoint, reference):
+    ref, tokenizer = reference
+    first = mixed_prompts(tokenizer, 12, 8, 60, seed=31)
+    second = mixed_prompts(tokenizer, 8, 8, 60, seed=32)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    with _model(drop_checkpoint) as model:
+        dep = model.deployment
+        run = Driver(dep)
+        ids = [dep.add_request(None, p, params) for p in first]
+        run.step(2)   # 4 running per instance (one still mid-prefill chunk: 48-token steps), 2 queued each
+        mid_prefill = [s for i in dep.instances for s in i.engine.scheduler.running
+                       if 0 < s.num_computed_tokens < s.num_prompt_tokens]
+        assert mid_prefill and sum(len(i.engine.scheduler.waiting) for i in dep.instances) >= 2
+        steps_before = dep.stats()["num_steps"]
+        report = model.drop()
+        assert report is not None and report.committed and str(dep.topology).startswith("[1x2")
+        assert dep.stats()["num_steps"] == steps_before   # the retired engines' steps still count
+        assert dep.overload.exchange is not None and sum(len(i.engine.scheduler.exchanging) for i in dep.instances)
+        run.until(ids[:6])   # some finish (the live KV must fit the undropped instances again), then restore
+        assert model.restore() is not None and str(dep.topology) == "[1,1]"
+        ids2 = [dep.add_request(None, p, params) for p in second]
+        run.step(2)
+        assert model.drop() is not None
+        run.until(ids + ids2)
+        stats = dep.stats()
+        assert stats["num_preemptions"] == 0
+        # Every prompt token computed exactly once: the drops and the restore moved KV, they recomputed nothing.
+        assert dep.num_computed_prompt_tokens == sum(map(len, first + second))
+        assert run.first_token_during_exchange, "queued requests must run while the KV is exchanged"
+    for rid, prompt in zip(ids + ids2, first + second):
+        assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
+
+
+@pytest.mark.outer_only   # the drop path of the first test, measured
+def test_drop_frees_the_layers_bytes_for_kv_blocks(drop_checkpoint, reference):
+    ref, tokenizer = reference
+    # What a stage places in its weights arena per layer: the linears (the norms' few hundred bytes stay put).
+    per_layer = [sum(m.weight.numel() * m.weight.element_size() for m in layer.modules()
+                     if isinstance(m, torch.nn.Linear)) for layer in ref.model.layers]
+    prompts = mixed_prompts(tokenizer, 10, 8, 40, seed=33)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    with _model(drop_checkpoint) as model:
+        dep = model.deployment
+        run = Driver(dep)
+        ids = [dep.add_request(None, p, params) for p in prompts]
+        run.step(2)
+        before = model.memory_report()["workers"]
+        blocks_before = sum(i.engine.scheduler.allocator.num_total for i in dep.instances)
+        assert model.drop() is not None
+        after = model.memory_report()["workers"]   # at the commit point: the old pools still hold live KV
+        page = dep.pool.call(0, "info")["page_size"]
+        for w, (b, a) in enumerate(zip(before, after)):
+            start, end = a["layers"]
+            dropped = sum(n for i, n in enumerate(per_layer) if not start <= i < end)
+            # The ledger drops by the dropped layers' bytes (each tensor padded to at most one page).
+            assert 0 <= (b["weights_bytes"] - a["weights_bytes"]) - dropped <= 9 * page * (5 - (end - start)), w
+            # RSS: at least 80 % of the dropped bytes went back to the OS at once.
+            assert b["rss_anon_bytes"] - a["rss_anon_bytes"] >= 0.8 * dropped, (w, b["rss_anon_bytes"],
+                                                                                 a["rss_anon_bytes"], dropped)
+        run.until(ids)
+        # After the exchange the old pools are gone: every byte a stage does not spend on weights is KV blocks.
+        final = model.memory_report()["workers"]
+        group = dep.instances[0]
+        assert group.engine.scheduler.allocator.num_total == dep.capacity(group.key) > blocks_before
+        limiting = min(final, key=lambda r: r["kv_blocks"])
+        spare = limiting["budget_bytes"] - limiting["weights_bytes"] - limiting["kv_bytes"]
+        assert spare < limiting["kv_block_bytes"], limiting
+    for rid, prompt in zip(ids, prompts):
+        assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
+
+
+@pytest.mark.stress
+def test_failed_drop_rolls_back_at_every_stage_and_serves_on(drop_checkpoint, reference):
+    ref, tokenizer = reference
+    prompts = mixed_prompts(tokenizer, 10, 8, 40, seed=34)
+    with _model(drop_checkpoint) as model:
+        dep = model.deployment
+        run, ids = _started(dep, prompts)
+        weights = [r["weights_bytes"] for r in model.memory_report()["workers"]]
+        for stage in RESHAPE_STAGES:   # a failure at each step before the commit point
+            dep.pool.call(1, "reshape.arm_fault", stage)
+            assert model.drop() is None, stage
+            assert str(dep.topology) == "[1,1]" and dep.overload.exchange is None, stage
+            assert model.overload_state()["history"][-1]["outcome"] == "rolled_back", stage
+            assert [r["weights_bytes"] for r in model.memory_report()["workers"]] == weights, stage
+            run.step()   # the old instances serve on between the attempts
+        assert model.drop() is not None   # and a drop still works afterwards
+        run.until(ids)
+        assert dep.stats()["num_preemptions"] == 0
+    for rid, prompt in zip(ids, prompts):
+        assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
+
+
+@pytest.mark.stress
+def test_member_killed_mid_exchange_is_restored_from_host_store(drop_checkpoint, reference):
+    ref, tokenizer = reference
+    prompts = mixed_prompts(tokenizer, 10, 8, 40, seed=35)
+    with _model(drop_checkpoint) as model:
+        dep = model.deployment
+        run, ids = _started(dep, prompts)
+        dep.pool.call(1, "exchange.arm_fault", 1)   # dies in the second chunk of the exchange
+        assert model.drop() is not None
+        run.until(ids)   # nothing lost: the parked requests are recomputed on the replaced group
+        assert dep.num_recoveries == 1 and str(dep.topology).startswith("[1x2")
+        layers = [r["layers"] for r in model.memory_report()["workers"]]
+        assert layers[0][1] == layers[1][0] and layers[1][1] == 5   # the new process loaded its stage's layers
+    for rid, prompt in zip(ids, prompts):
+        assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
+
+
+@pytest.mark.outer_only   # the drop path of the first test, started by the arbiter
+def test_overload_mode_drop_acts_and_restores_on_its_own(drop_checkpoint, reference):
+    ref, tokenizer = reference
+    prompts = mixed_prompts(tokenizer, 20, 30, 90, seed=36)   # ~2x what the two instances hold
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    overload = {"mode": "drop", "hold_steps": 1, "restore_hold_steps": 3, "cooldown_steps": 4}
+    with _model(drop_checkpoint, overload=overload) as model:
+        dep = model.deployment
+        run = Driver(dep)
+        ids = [dep.add_request(None, p, params) for p in prompts]
+        run.until(ids)
+        for _ in range(8):   # idle steps: the low load holds, the layers come back
+            run.step()
+        events = [(h["event"], h["outcome"]) for h in model.overload_state()["history"] if h["event"] != "exchange_done"]
+        assert events == [("drop", "committed"), ("restore", "committed")], events
+        assert str(dep.topology) == "[1,1]"
+        metrics = dep.metrics.registry.get_sample_value
+        assert metrics("elastic_hf_param_drops_total", {"outcome": "committed"}) == 1
+        assert metrics("elastic_hf_kv_exchange_bytes_total") > 0
+    for rid, prompt in zip(ids, prompts):
+        assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
