@@ -1,5 +1,6 @@
-"""Offline throughput: elastic-hf vs HF continuous batching (generate_batch, paged|sdpa) vs HF static-batch
-generate, same prompts, greedy, all in one dtype (--dtype, default float32), in one run.
+"""Offline throughput: elastic-hf (with and without oneDNN prepacked weights) vs HF continuous batching
+(generate_batch, paged|sdpa) vs HF static-batch generate, same prompts, greedy, all in one dtype (--dtype, default
+float32), in one run.
 
     python benchmarks/throughput.py [--dtype {float32,bfloat16}] [--num-requests 32] [--max-new-tokens 64]
                                     [--min-prompt 32 --max-prompt 96] [--repeats 3]
@@ -24,13 +25,15 @@ from common import machine_description, wikitext_prompts  # noqa: E402
 
 class ElasticRunner:
     label = "elastic-hf"
+    packed_weights = "auto"
 
     def __init__(self, prompts, max_new_tokens, max_num_batched_tokens, checkpoint_dir, dtype):
         from elastic_hf import ElasticModel
 
         self.prompts, self.max_new_tokens = prompts, max_new_tokens
         self.model = ElasticModel.from_pretrained(max_num_batched_tokens=max_num_batched_tokens,
-                                                  max_num_seqs=len(prompts), dtype=dtype)
+                                                  max_num_seqs=len(prompts), dtype=dtype,
+                                                  packed_weights=self.packed_weights)
         self.model.generate(prompts[:2], max_tokens=4, ignore_eos=True)  # warm-up
 
     def run(self) -> tuple[float, int]:
@@ -38,6 +41,12 @@ class ElasticRunner:
         outs = self.model.generate(self.prompts, max_tokens=self.max_new_tokens, ignore_eos=True)
         elapsed = time.perf_counter() - start
         return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+class ElasticUnpackedRunner(ElasticRunner):
+    """The engine before oneDNN prepacked weights (layers/packed_linear.py): what packing gains, in the same run."""
+    label = "elastic-hf, unpacked weights"
+    packed_weights = "off"
 
 
 class HfStaticRunner:
@@ -88,7 +97,8 @@ class HfGenerateBatchRunner:
         return elapsed, sum(len(r.generated_tokens) for r in results.values())
 
 
-RUNNERS = {"elastic": ElasticRunner, "hf_cb": HfGenerateBatchRunner, "hf_static": HfStaticRunner}
+RUNNERS = {"elastic": ElasticRunner, "elastic_unpacked": ElasticUnpackedRunner, "hf_cb": HfGenerateBatchRunner,
+           "hf_static": HfStaticRunner}
 
 
 def main() -> None:
@@ -142,6 +152,8 @@ def main() -> None:
             print(f"RESULT throughput_vs_hf_cb{suffix} {tok_per_s['elastic'] / tok_per_s['hf_cb']:.3f}")
         if "hf_static" in tok_per_s:
             print(f"RESULT throughput_vs_hf_static{suffix} {tok_per_s['elastic'] / tok_per_s['hf_static']:.3f}")
+        if "elastic_unpacked" in tok_per_s:
+            print(f"RESULT packed_weights_speedup{suffix} {tok_per_s['elastic'] / tok_per_s['elastic_unpacked']:.3f}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
           "float16": "float16", "fp16": "float16"}
 TP_POLICIES = ("static", "elastic")
 ROUTERS = ("elastic", "least_load", "round_robin")
+PACKED_WEIGHTS = ("auto", "on", "off")
 MORPH_MODES = ("off", "manual", "accuracy", "default", "performance")   # manual: only forced swaps
 CONTROLLER_MODES = ("accuracy", "default", "performance")
 MODE_PRECISION = {"accuracy": "w8", "default": "w4", "performance": "w4"}  # what a mode's morphs swap layers to
@@ -121,6 +122,9 @@ class EngineConfig:
     memory_budget: int | float | str | None = None   # bytes, "2GiB", or a fraction of the device ("0.5")
     kv_cache_memory: int | str | None = None         # KV bytes when memory_budget is None (default 1 GiB)
     page_size: int | None = None         # arena page; None: the backend's (OS page on CPU, 2 MiB on CUDA)
+    # CPU linears on oneDNN prepacked weights (layers/packed_linear.py): auto | on | off. auto: on where it can
+    # be (CPU, one worker, no morphing: weights that never change after load), off elsewhere.
+    packed_weights: str = "auto"
     block_size: int = 16                 # tokens per KV block
     # -- scheduling, per instance
     max_num_seqs: int = 64
@@ -197,6 +201,7 @@ class EngineConfig:
         elif isinstance(self.morph, dict):
             self.morph = MorphConfig(**self.morph)
         self._check_overload()
+        self._check_packed_weights()
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.chat_template is not None:
@@ -216,6 +221,28 @@ class EngineConfig:
         if self.cost_profile is not None and not Path(self.cost_profile).is_file():
             raise ValueError(f"cost_profile={self.cost_profile!r} does not exist; create one with "
                              f"`elastic-hf profile-cost`")
+
+    def _check_packed_weights(self) -> None:
+        if self.packed_weights not in PACKED_WEIGHTS:
+            raise ValueError(f"packed_weights must be one of {PACKED_WEIGHTS}, got {self.packed_weights!r}")
+        if self.packed_weights == "on" and self.packed_weights_blocker() is not None:
+            raise ValueError(f"packed_weights='on' needs weights that never change after load: "
+                             f"{self.packed_weights_blocker()}")
+
+    def packed_weights_blocker(self) -> str | None:
+        """Why this deployment cannot pack its linears' weights, or None when it can."""
+        if self.device.split(":")[0] != "cpu":
+            return f"device is {self.device!r} (packing is for CPU oneDNN kernels)"
+        if self.num_workers != 1:
+            return f"num_workers is {self.num_workers} (TP shards and pipeline stages are re-cut by reshapes)"
+        if self.morph.enabled:
+            return f"morph={self.morph.mode!r} (precision morphing swaps the weights)"
+        return None
+
+    @property
+    def packs_weights(self) -> bool:
+        """Whether workers pack their linears (still subject to oneDNN being there: packing_available)."""
+        return self.packed_weights != "off" and self.packed_weights_blocker() is None
 
     @property
     def kv_bytes_per_worker(self) -> int:

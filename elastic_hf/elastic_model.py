@@ -88,10 +88,10 @@ class ElasticModel:
 
         options: the fields of EngineConfig (elastic_hf/config.py): dtype, device, memory_budget (per worker:
         bytes, "2GiB" or a fraction of the device), kv_cache_memory, block_size, max_num_seqs,
-        max_num_batched_tokens, max_model_len, page_size, tp_policy, router, overload ("off", "morph", "tp-merge",
-        "drop", "auto", or a dict of OverloadConfig fields), cost_profile, ... morph: "off", "manual" (only
-        model.morph.to_precision), or a controller mode "accuracy" | "default" | "performance"; profile: LIS
-        profile JSON for the swap order; morph_options: the other MorphConfig fields (precisions, use_cache,
+        max_num_batched_tokens, max_model_len, page_size, packed_weights ("auto", "on", "off"), tp_policy, router,
+        overload ("off", "morph", "tp-merge", "drop", "auto", or a dict of OverloadConfig fields), cost_profile, ...
+        morph: "off", "manual" (only model.morph.to_precision), or a controller mode "accuracy" | "default" |
+        "performance"; profile: LIS profile JSON for the swap order; morph_options: the other MorphConfig fields (precisions, use_cache,
         calib_path, controller={ControllerConfig overrides}, ...)."""
         if tp is not None:
             if "topology" in options:

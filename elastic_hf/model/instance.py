@@ -21,6 +21,7 @@ from elastic_hf.kv.migration_plan import head_range
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_attention import register_paged_attention
 from elastic_hf.layers.cpu_gemm import use_onednn_linears
+from elastic_hf.layers.packed_linear import packing_available
 from elastic_hf.memory import MemoryBudget, create_arena, default_page_size, device_total_bytes
 from elastic_hf.model.loader import parse_dtype
 from elastic_hf.model.runner import ModelRunner
@@ -138,13 +139,21 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     budget = MemoryBudget(_UNSIZED_BUDGET)
     weights = place_weights(budget, page_size)
     loaded.hf_model.to(device)  # buffers (rotary tables) follow the arena-resident parameters
+    # After any calibration (profiles and AWQ scales must not depend on the GEMM backend): oneDNN fp32 linears,
+    # and prepacked weights where they never change after load (their bytes count before the KV is sized).
+    use_onednn_linears(loaded.hf_model)
+    if config.packs_weights and packing_available():
+        num_packed = weights.pack_linears(loaded.hf_model)
+        log.info("%d linears on oneDNN prepacked weights (%s beyond the plain weights: tied tables)", num_packed,
+                 format_bytes(weights.packed_extra_bytes))
+    elif config.packed_weights == "on":
+        raise ValueError("packed_weights='on' needs oneDNN's weight reorder (torch.ops.mkldnn) and "
+                         "ELASTIC_HF_CPU_GEMM unset or 'onednn'")
     tp1_bytes = weights.shard_bytes(1, 0)
     if config.memory_budget is None:
         total = tp1_bytes + config.kv_bytes_per_worker + headroom_bytes
     else:
         total = parse_memory_budget(config.memory_budget, device_total_bytes(device))
-    # After any calibration (profiles and AWQ scales must not depend on the GEMM backend): oneDNN fp32 linears.
-    use_onednn_linears(loaded.hf_model)
     runner = ModelRunner(loaded.hf_model, None, getattr(loaded.hf_config, "sliding_window", None))
     instance = ModelInstance(loaded, weights, budget, page_size, config.block_size, headroom_bytes, runner)
     block_bytes = instance.kv_layout(1, 0).block_bytes

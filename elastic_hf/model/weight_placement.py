@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from elastic_hf.layers.packed_linear import pack_linear, takes_packing
 from elastic_hf.memory import MemoryBudget, create_arena
 from elastic_hf.memory.arena import PageArena
 from elastic_hf.units import round_up
@@ -139,6 +140,7 @@ class PlacedWeights:
     def __init__(self, arena: PageArena, placement: WeightPlacement):
         self.arena = arena
         self.placement = placement
+        self.packed_extra_bytes = 0   # packed weights' bytes minus the arena pages they gave back (pack_linears)
 
     @classmethod
     def place(cls, model: nn.Module, layers: nn.ModuleList, budget: MemoryBudget, device: torch.device,
@@ -162,10 +164,49 @@ class PlacedWeights:
         if (tp, rank) != (1, 0) or layers not in (None, (0, len(self.placement.layers))):
             raise ValueError(f"a single-worker instance runs all layers at TP1 only, got tp={tp} rank={rank} "
                              f"layers={layers}")
-        return self.placement.committed_bytes
+        return self.placement.committed_bytes + self.packed_extra_bytes
+
+    @torch.no_grad()
+    def pack_linears(self, model: nn.Module) -> int:
+        """Switch every packable linear of `model` to oneDNN's prepacked layout (layers/packed_linear.py), decommit
+        the arena pages that only packed weights covered, and charge the packed bytes to the ledger. A weight
+        another module also reads (a tied LM head's embedding table) keeps its pages; its packed copy is extra.
+        The plain weights that gave their pages back become meta tensors, so a stray read fails instead of
+        silently faulting in zero pages. Returns how many linears were packed."""
+        linears = [m for m in model.modules() if takes_packing(m)]
+        shared = {id(p) for m in model.modules() if not takes_packing(m) for p in m.parameters(recurse=False)}
+        base = self.arena.view(0, (1,), torch.uint8).data_ptr()
+        spans, charged = [], 0
+        for module in linears:
+            weight = module.weight
+            charged += pack_linear(module)
+            if id(weight) not in shared:
+                start = weight.data_ptr() - base
+                spans.append((start, start + weight.numel() * weight.element_size()))
+                module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                             requires_grad=False)
+        before = self.arena.committed_bytes
+        for first, end in _whole_pages(spans, self.arena.page_size):
+            self.arena.decommit(first, end - first)
+        self.arena.budget.charge(self.arena.owner, charged)   # after the release: a sized budget nets out
+        self.packed_extra_bytes += charged - (before - self.arena.committed_bytes)
+        return len(linears)
 
     def fp_region(self, layer: int) -> ArenaRange:
         return self.placement.layers[layer]
 
     def slot(self, layer: int, precision: str) -> ArenaRange:
         return self.placement.slots[layer][precision]
+
+
+def _whole_pages(spans: list[tuple[int, int]], page_size: int) -> list[tuple[int, int]]:
+    """The page-aligned ranges lying wholly inside the union of byte spans [start, end): a page that also holds a
+    byte of anything else (a norm weight, a tied table) stays committed."""
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1] + TENSOR_ALIGNMENT:   # back to back up to the tensor alignment
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    pages = [(round_up(start, page_size), end // page_size * page_size) for start, end in merged]
+    return [(first, end) for first, end in pages if end > first]

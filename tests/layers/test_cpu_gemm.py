@@ -51,12 +51,13 @@ def test_aten_backend_and_env_override(monkeypatch):
 
 
 def test_default_model_linears_run_on_onednn(default_model):
-    """The engine's model computes its big projections and LM head with oneDNN; K/V projections stay on ATen."""
+    """The engine's model computes its big projections and LM head with oneDNN, on prepacked weights (a single
+    worker without morphing: layers/packed_linear.py); K/V projections stay on ATen."""
     kinds = {}
     for name, module in default_model.worker.hf_model.named_modules():
         if isinstance(module, nn.Linear):
             kinds.setdefault(type(module).__name__, set()).add(name.rsplit(".", 1)[-1])
-    assert kinds["OneDnnLinear"] == {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
+    assert kinds["PackedLinear"] == {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
     assert kinds["Linear"] == {"k_proj", "v_proj"}
 
 

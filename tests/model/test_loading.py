@@ -38,7 +38,8 @@ def test_default_gguf_is_converted_once_and_reloads_fast():
 
 
 def test_weights_are_views_of_the_arena_and_ledger_adds_up(tiny_checkpoint):
-    model = ElasticModel.from_pretrained(tiny_checkpoint("qwen2"), kv_cache_memory=4 << 20)
+    # Plain weights: prepacked ones live outside the arena (tests/layers/test_packed_linear.py checks those).
+    model = ElasticModel.from_pretrained(tiny_checkpoint("qwen2"), kv_cache_memory=4 << 20, packed_weights="off")
     worker = model.worker
     arena = worker.weights.arena
     base = arena.view(0, (1,), torch.uint8).data_ptr()
