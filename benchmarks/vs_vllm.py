@@ -125,11 +125,11 @@ def serving(args, checkpoint: str, vllm: Path, env: dict) -> dict[str, dict[str,
             if not report.ok or len(report.ok) < len(requests):
                 raise RuntimeError(f"{engine}: {len(requests) - len(report.ok)} requests failed: "
                                    f"{[r.error for r in report.results if r.error][:3]}")
-            results[engine]["ttft"].append(report.ttft(0.5))
-            results[engine]["tpot"].append(report.tpot(0.5))
+            results[engine]["ttft"].append(report.ttft(50))
+            results[engine]["tpot"].append(report.tpot(50))
             results[engine]["tput"].append(report.output_throughput)
-            tqdm.write(f"serving round {round_index + 1}: {engine:8s} TTFT p50 {report.ttft(0.5):.3f} s, "
-                       f"TPOT p50 {report.tpot(0.5):.4f} s, {report.output_throughput:.1f} tok/s")
+            tqdm.write(f"serving round {round_index + 1}: {engine:8s} TTFT p50 {report.ttft(50):.3f} s, "
+                       f"TPOT p50 {report.tpot(50):.4f} s, {report.output_throughput:.1f} tok/s")
     return results
 
 

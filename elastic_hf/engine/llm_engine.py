@@ -13,7 +13,8 @@ from elastic_hf.engine.detokenizer import Detokenizer
 from elastic_hf.engine.errors import InvalidRequest
 from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
-from elastic_hf.engine.sampler import make_sampler_state, sample, token_logprobs
+from elastic_hf.engine.sampler import (RemoteSampling, adopt_sampled, make_sampler_state, sample,
+                                       token_logprobs)
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import ScheduledSeq, Scheduler
 from elastic_hf.engine.sequence import Request, Sequence, SeqStatus
@@ -142,27 +143,32 @@ class LLMEngine:
         inputs = [SeqStepInput(s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens],
                                s.seq.num_computed_tokens, s.seq.block_ids, s.completes_prompt,
                                self._wants_prompt_logits(s)) for s in scheduled]
-        logits = self.runner.execute(inputs)  # [rows, vocab]: see Runner.execute
+        seqs = [s.seq for s in scheduled if s.completes_prompt]   # the step's sampling rows, in order
+        remote = self._sampling_runner(inputs, seqs)
+        if remote is not None:   # sampled where the logits are; only token ids come back
+            logits = None
+            tokens, failures = adopt_sampled(remote(inputs, [RemoteSampling.of(seq) for seq in seqs]), seqs)
+        else:
+            logits = self.runner.execute(inputs)  # [rows, vocab]: see Runner.execute
+            if any(i.all_logits for i in inputs):
+                logits = self._take_prompt_logprobs(scheduled, inputs, logits)  # -> [num_sampling, vocab]
         self.num_steps += 1
-        if any(i.all_logits for i in inputs):
-            logits = self._take_prompt_logprobs(scheduled, inputs, logits)  # -> [num_sampling, vocab]
 
-        sampling: list[ScheduledSeq] = []
         for s in scheduled:
             if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:
                 self.num_computed_prompt_tokens += min(s.num_new_tokens,
                                                        s.seq.num_prompt_tokens - s.seq.num_computed_tokens)
-            if s.completes_prompt:
-                sampling.append(s)
             s.seq.num_computed_tokens += s.num_new_tokens
-        seqs = [s.seq for s in sampling]
-        tokens, failures = sample(logits, seqs) if sampling else ([], {})
+        if logits is not None:
+            tokens, raised = sample(logits, seqs) if seqs else ([], {})
+            failures = {row: f"{type(exc).__name__}: {exc}" for row, exc in raised.items()}
         touched: dict[str, Request] = {}
-        for row, exc in failures.items():  # that request fails alone; the batch goes on
+        for row, reason in failures.items():  # that request fails alone; the batch goes on
             request = self.requests[seqs[row].request_id]
-            self._fail_request(request, f"sampling failed: {type(exc).__name__}: {exc}")
+            self._fail_request(request, f"sampling failed: {reason}")
             touched[request.request_id] = request
-        self._record_logprobs(logits, seqs, tokens)
+        if logits is not None:
+            self._record_logprobs(logits, seqs, tokens)
 
         now = time.time()
         for seq, token in zip(seqs, tokens):
@@ -187,6 +193,14 @@ class LLMEngine:
         outputs = [self._make_output(r) for r in touched.values()]
         self._update_gauges()
         return outputs
+
+    def _sampling_runner(self, inputs: list[SeqStepInput], seqs: list[Sequence]):
+        """The runner's `execute_sampled` when this step can sample where the logits are: no row asks for
+        log-probabilities (those need the logits here). None: the logits come back and are sampled here."""
+        remote = getattr(self.runner, "execute_sampled", None)
+        if remote is None or any(i.all_logits for i in inputs) or any(q.params.logprobs is not None for q in seqs):
+            return None
+        return remote
 
     # ------------------------------------------------------------------ log-probabilities and failures
     def _wants_prompt_logits(self, s: ScheduledSeq) -> bool:

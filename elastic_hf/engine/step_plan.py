@@ -23,3 +23,8 @@ class Runner(Protocol):
         """Run one packed step; returns the logits [rows, vocab] (a torch tensor, fp32) in the inputs' order: one row
         per input with needs_logits, len(token_ids) rows per input with all_logits, none for the others."""
         ...
+
+    # Optional: a runner whose logits live in another process also offers
+    #   execute_sampled(inputs, sampling: list[RemoteSampling]) -> SampledStep   (engine/sampler.py)
+    # which samples the needs_logits rows where they were computed and returns token ids; the engine uses it for
+    # every step in which no row asks for log-probabilities.

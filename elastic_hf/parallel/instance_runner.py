@@ -29,14 +29,21 @@ class InstanceRunner:
         self.last_cost_error: float | None = None
 
     def execute(self, inputs):
+        return self._run(inputs, None)   # [num_sampling_seqs, vocab]
+
+    def execute_sampled(self, inputs, sampling):
+        """The step, sampled on the worker that holds the logits (engine/sampler.py): a SampledStep comes back."""
+        return self._run(inputs, sampling)
+
+    def _run(self, inputs, sampling):
         if self.shape.pp == 1:
-            return self.pool.call_many(self.workers, "execute", inputs)[0]  # [num_sampling_seqs, vocab]
+            return self.pool.call_many(self.workers, "execute", inputs, sampling)[0]
         model = self.lookahead
         if model is not None:
             micro_batches = lookahead_micro_batches(inputs, self.shape, model)
         else:
             micro_batches = split_micro_batches(inputs, self.shape.pp)
-        results = self.pool.call_many(self.workers, "execute_pipeline", micro_batches)
+        results = self.pool.call_many(self.workers, "execute_pipeline", micro_batches, sampling)
         if self.on_pipeline_step is not None:
             self.on_pipeline_step([stats for _, stats in results], self.workers)
         logits, last_stats = results[(self.shape.pp - 1) * self.shape.tp]   # last stage, rank 0
@@ -45,7 +52,7 @@ class InstanceRunner:
             predicted = sum(model.batch_cost([Chunk(s.num_computed, len(s.token_ids), s.needs_logits) for s in mb],
                                              fraction) for mb in micro_batches)
             self.last_cost_error = abs(predicted - last_stats["busy_s"]) / last_stats["busy_s"]
-        return logits  # [num_sampling_seqs, vocab]
+        return logits  # [num_sampling_seqs, vocab], or a SampledStep when `sampling` was given
 
 
 def split_micro_batches(inputs: list, num_stages: int) -> list[list]:

@@ -13,6 +13,7 @@ import os
 import torch
 
 from elastic_hf.config import EngineConfig
+from elastic_hf.engine.sampler import sample_remote
 from elastic_hf.layers.shard_layout import ModelShardSpec, allowed_tp_degrees
 from elastic_hf.memory import default_page_size, process_rss_bytes
 from elastic_hf.model.instance import LoadedModel, build_instance, load_model, worker_device
@@ -218,17 +219,20 @@ class Worker:
             self.pool.attach_blocks(num_blocks - self.pool.num_blocks)
         return 0 if self.pool is None else self.pool.num_blocks
 
-    def execute(self, inputs):
+    def execute(self, inputs, sampling=None):
         """One step of this worker's instance. Every rank runs it (the all-reduces need them); rank 0 returns the
-        logits [num_sampling_seqs, vocab], the others None."""
+        logits [num_sampling_seqs, vocab], or with `sampling` (one RemoteSampling per sampling row) the tokens
+        sampled from them (a SampledStep); the others None."""
         logits = self.instance.runner.execute(inputs)
         role = self.topology.role(self.me)
-        return logits if role is not None and role.rank == 0 else None
+        if role is None or role.rank != 0:
+            return None
+        return logits if sampling is None else sample_remote(logits, sampling)
 
-    def execute_pipeline(self, micro_batches):
+    def execute_pipeline(self, micro_batches, sampling=None):
         """One step of this worker's pipeline stage over the step's micro-batches (parallel/pipeline.py). The last
-        stage's rank 0 returns the logits of all of them in order, the others None; each returns its stage
-        timings (busy, wall, bubble ratio) alongside."""
+        stage's rank 0 returns the logits of all of them in order (sampled into a SampledStep with `sampling`, as
+        `execute`), the others None; each returns its stage timings (busy, wall, bubble ratio) alongside."""
         if self.links is None:
             raise RuntimeError(f"worker {self.me} is not a pipeline stage in topology {self.topology}")
         role = self.topology.role(self.me)
@@ -239,7 +243,9 @@ class Worker:
         logits, stats = run_pipeline_step(runner, self.links, micro_batches)
         self.last_pipeline_stats = {"stage": role.stage, "busy_s": stats.busy_s, "wall_s": stats.wall_s,
                                     "bubble_ratio": stats.bubble_ratio, "sent_bytes": stats.sent_bytes}
-        return (logits if role.is_last_stage and role.rank == 0 else None), self.last_pipeline_stats
+        if not (role.is_last_stage and role.rank == 0):
+            return None, self.last_pipeline_stats
+        return (logits if sampling is None else sample_remote(logits, sampling)), self.last_pipeline_stats
 
     def arm_step_fault(self) -> None:
         """Make this worker's next pipelined step fail in its forward (a failure drill: every stage must fail that

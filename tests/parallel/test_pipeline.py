@@ -107,6 +107,56 @@ def test_decoding_across_tp_and_pp_reshapes_is_exact_without_recompute(pp_setup)
     assert [w["weights_bytes"] for w in dep.memory_report()] == weights_before
 
 
+SAMPLED = [SamplingParams(temperature=0.9, seed=7, max_tokens=MAX_NEW),
+           SamplingParams(temperature=1.0, top_p=0.8, top_k=50, seed=8, n=2, max_tokens=MAX_NEW),
+           SamplingParams(temperature=0.7, repetition_penalty=1.4, seed=9, max_tokens=MAX_NEW),
+           SamplingParams(temperature=0.0, max_tokens=MAX_NEW)]
+
+
+def _sampled_tokens(dep, prompts):
+    """Every sequence's tokens of SAMPLED[i % 4] on prompts[i], all submitted at once, stepped to the end."""
+    ids = [dep.add_request(None, p, SAMPLED[i % len(SAMPLED)]) for i, p in enumerate(prompts)]
+    done = {}
+    while len(done) < len(ids):
+        for out in dep.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+    return [done[r] for r in ids]
+
+
+def test_workers_sample_and_return_token_ids(pp_setup, pp_checkpoint):
+    """Seeded sampling (temperature, top-p/top-k with n=2, a repetition penalty, greedy) in a 2-worker deployment,
+    as [1,1] and as a 1x2 pipeline, gives the tokens of a single-worker model, with the engine's logits path
+    disabled: the workers sample and only token ids come back. A logprobs request still gets logits."""
+    dep, prompts, _ = pp_setup
+    with ElasticModel.from_pretrained(pp_checkpoint("llama"), kv_cache_memory=1 << 20) as single:
+        want = _sampled_tokens(single.deployment, prompts)
+    assert len({str(t) for t in want}) > 2   # the rows really sample differently
+    for target in ([1, 1], ["1x2"]):
+        if str(dep.topology) != str(dep.check_topology(target)):
+            assert dep.reshape(target).committed
+        runners = [instance.engine.runner for instance in dep.instances]
+        for runner in runners:
+            runner.execute = _no_logits
+        try:
+            assert _sampled_tokens(dep, prompts) == want, f"topology {dep.topology}"
+        finally:
+            for runner in runners:
+                del runner.execute
+        ids = [dep.add_request(None, prompts[0], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2))]
+        done = {}
+        while not done:
+            for out in dep.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
+        assert len(done[ids[0]].logprobs) == 3 and all(len(r.top) == 2 for r in done[ids[0]].logprobs)
+    assert dep.reshape([1, 1]).committed
+
+
+def _no_logits(inputs):
+    raise AssertionError("the engine asked a worker for logits in a step with no log-probabilities")
+
+
 def test_pp_stage_holds_only_its_layers(pp_setup):
     dep, prompts, expected = pp_setup
     full = [w["weights_bytes"] for w in dep.memory_report()]
