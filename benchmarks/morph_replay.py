@@ -2,18 +2,22 @@
 (default mode), side by side in one run, under the same memory budget (MorphServe §5).
 
 The three servers run one after another in this process (uvicorn in a thread, like the serving tests) over the
-default model. The fp KV cache is sized so full precision saturates: requests queue for KV blocks. Quality is
+default model. The defaults are the regime MorphServe targets: the fp KV cache (16 blocks) holds about one request,
+so full precision is KV-bound (it prints the share of time its queue's head waited for KV blocks), not
+compute-bound; with a 48-block cache static W4 itself gained only 1.6x. Each server replays `--runs` times,
+alternating, and the gain is the median with its spread. Quality is
 the held-out wikitext perplexity as a function of how many layers run in W4 (in the swap order), weighted by
 the tokens each server generated at each layer count: static fp loses nothing, static W4 loses
 ppl(all) - ppl(0), and `morph_quality_kept` = 1 - (morph's token-weighted loss) / (static W4's loss).
 
-    python benchmarks/morph_replay.py [--num-requests 24 --rate 1.0 --kv-blocks 48 --plot morph_replay.png]
+    python benchmarks/morph_replay.py [--runs 3 --num-requests 48 --rate 0.75 --kv-blocks 16 --plot morph_replay.png]
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,25 +30,34 @@ from replay import (TRACE_NAME, TraceScale, build_requests, load_trace, run_repl
 
 
 class Recorder:
-    """A step-boundary hook: (time, generated tokens so far, layers in W4, KV blocks) after every step."""
+    """A step-boundary hook: (time, generated tokens so far, layers in W4, KV blocks, head of the queue blocked on
+    KV blocks) at every step boundary."""
 
     def __init__(self, model):
         self.model = model
-        self.rows: list[tuple[float, float, int, int]] = []
+        self.rows: list[tuple[float, float, int, int, bool]] = []
         model.instances[0].engine.step_boundary_hooks.append(self)
 
     def __call__(self, engine):
         morph = self.model.morph
         num_w4 = morph.manager().counts()["w4"] if morph is not None else 0
         tokens = engine.metrics.generation_tokens._value.get()
-        self.rows.append((time.time(), tokens, num_w4, engine.scheduler.allocator.num_total))
+        _, blocked = engine.scheduler.head_of_line()
+        self.rows.append((time.time(), tokens, num_w4, engine.scheduler.allocator.num_total, blocked))
 
     def tokens_by_w4_layers(self) -> dict[int, float]:
         """Tokens generated while k layers ran in W4 (a step's tokens count at the state before the step)."""
         out: dict[int, float] = {}
-        for (_, tokens, k, _), (_, next_tokens, _, _) in zip(self.rows, self.rows[1:]):
+        for (_, tokens, k, _, _), (_, next_tokens, _, _, _) in zip(self.rows, self.rows[1:]):
             out[k] = out.get(k, 0.0) + (next_tokens - tokens)
         return out
+
+    def kv_wait_share(self, duration_s: float) -> float:
+        """Share of the replay's wall time during which the oldest queued request could not get its KV blocks
+        (a step's interval counts as waiting when its boundary saw the head blocked): near 1 means the server is
+        KV-bound, the regime MorphServe targets; near 0 means it is compute-bound or idle."""
+        waited = sum(b[0] - a[0] for a, b in zip(self.rows, self.rows[1:]) if a[4])
+        return min(1.0, waited / duration_s) if duration_s > 0 else 0.0
 
 
 def load_model(kind: str, kv_bytes: int, max_model_len: int, device: str):
@@ -111,17 +124,19 @@ def plot(path: str, recorder: Recorder, t0: float) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--start", type=int, default=0)
-    ap.add_argument("--rate", type=float, default=1.0, help="mean arrival rate after time scaling (req/s)")
+    ap.add_argument("--rate", type=float, default=0.75, help="mean arrival rate after time scaling (req/s)")
     ap.add_argument("--prompt-scale", type=float, default=1 / 8)
-    ap.add_argument("--max-prompt-tokens", type=int, default=384)
-    ap.add_argument("--max-output-tokens", type=int, default=48)
-    ap.add_argument("--kv-blocks", type=int, default=48, help="fp KV cache, in blocks of 16 tokens")
+    ap.add_argument("--max-prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-output-tokens", type=int, default=32)
+    ap.add_argument("--kv-blocks", type=int, default=16,
+                    help="fp KV cache, in blocks of 16 tokens: small enough that fp waits for KV, not compute")
     ap.add_argument("--ttft-slo", type=float, default=2.0)
     ap.add_argument("--tpot-slo", type=float, default=0.5)
     ap.add_argument("--ppl-windows", type=int, default=4)
     ap.add_argument("--ppl-seq-len", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=3, help="replays per server; the gain is the median over runs")
     ap.add_argument("--plot", default="morph_replay.png")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--servers", default="fp,w4,morph",
@@ -149,49 +164,83 @@ def main(argv=None) -> int:
     kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
     if not {"fp", "morph"} <= set(kinds) or not set(kinds) <= {"fp", "w4", "morph"}:
         ap.error(f"--servers must include fp and morph (and may include w4), got {args.servers!r}")
-    reports, recorders, starts = {}, {}, {}
-    for kind in kinds:
-        model = load_model(kind, kv_bytes, min(512, args.kv_blocks * 16), args.device)
-        recorder = Recorder(model)
-        server = InProcessServer(model)
-        try:
-            starts[kind] = time.time()
-            reports[kind] = run_replay(server.base_url, requests, ttft_slo_s=args.ttft_slo,
-                                       tpot_slo_s=args.tpot_slo, progress=False)
-            if kind == "morph":  # load is gone: give the controller time to restore everything
-                deadline = time.time() + 30
-                while model.morph.manager().counts()["fp"] < 30 and time.time() < deadline:
-                    time.sleep(0.2)
-        finally:
-            server.stop()
-        recorders[kind] = recorder
-        state = model.morph.state() if model.morph is not None else None
-        print(f"\n[{kind}] KV blocks at end {model.instances[0].engine.scheduler.allocator.num_total}"
-              + (f", swaps {state['swaps']}, mean swap latency {state['swap_latency_s_mean']} s" if state else ""))
-        print(reports[kind].summary())
-        del model, server
-        gc.collect()
+    if args.runs < 1:
+        ap.error(f"--runs must be >= 1, got {args.runs}")
+    # runs[i][kind] = (report, recorder, replay start); the servers alternate within a run so drift in the
+    # machine's speed hits all of them alike
+    runs: list[dict[str, tuple]] = []
+    for run in range(args.runs):
+        runs.append({})
+        for kind in kinds:
+            model = load_model(kind, kv_bytes, min(512, args.kv_blocks * 16), args.device)
+            recorder = Recorder(model)
+            server = InProcessServer(model)
+            try:
+                start = time.time()
+                report = run_replay(server.base_url, requests, ttft_slo_s=args.ttft_slo,
+                                    tpot_slo_s=args.tpot_slo, progress=False)
+                if kind == "morph":  # load is gone: give the controller time to restore everything
+                    deadline = time.time() + 30
+                    while model.morph.manager().counts()["fp"] < 30 and time.time() < deadline:
+                        time.sleep(0.2)
+            finally:
+                server.stop()
+            runs[-1][kind] = (report, recorder, start)
+            state = model.morph.state() if model.morph is not None else None
+            print(f"\n[run {run + 1}/{args.runs}: {kind}] KV blocks at end "
+                  f"{model.instances[0].engine.scheduler.allocator.num_total}; head of the queue waited for KV "
+                  f"blocks {100 * recorder.kv_wait_share(report.duration_s):.0f} % of the time"
+                  + (f"; swaps {state['swaps']}, mean swap latency {state['swap_latency_s_mean']} s" if state else ""))
+            print(report.summary())
+            del model, server
+            gc.collect()
 
     order = list(range(30))
     curve = perplexity_curve(order, [0, 2, 4, 8, 12, 16, 22, 30], args.ppl_windows, args.ppl_seq_len)
     print("\nheld-out perplexity with the first k layers in W4: "
           + ", ".join(f"k={k}: {v:.3f}" for k, v in curve.items()))
     loss_w4 = curve[30] - curve[0]
-    tokens = recorders["morph"].tokens_by_w4_layers()
+    tokens: dict[int, float] = {}   # over all morph runs
+    for run in runs:
+        for k, n in run["morph"][1].tokens_by_w4_layers().items():
+            tokens[k] = tokens.get(k, 0.0) + n
     total = sum(tokens.values()) or 1.0
     loss_morph = sum(n * (interpolate(curve, k) - curve[0]) for k, n in tokens.items()) / total
     share_quantized = sum(n * k for k, n in tokens.items()) / total / 30
     quality_kept = 1.0 - loss_morph / loss_w4 if loss_w4 > 0 else 1.0
-    plot(args.plot, recorders["morph"], starts["morph"])
 
-    print(f"\n{'server':8s} {'TTFT P50':>9s} {'P95':>8s} {'P99':>8s} {'TPOT P99':>9s} {'SLO':>6s} {'tok/s':>7s}")
-    for kind, r in reports.items():
-        print(f"{kind:8s} {r.ttft(50):9.3f} {r.ttft(95):8.3f} {r.ttft(99):8.3f} {r.tpot(99):9.4f} "
-              f"{100 * r.slo_attainment:5.1f}% {r.output_throughput:7.1f}")
+    def gain(run, kind):   # fp's P95 TTFT over `kind`'s, within one run
+        return run["fp"][0].ttft(95) / max(run[kind][0].ttft(95), 1e-9)
+
+    gains = [gain(run, "morph") for run in runs]
+    median_run = sorted(runs, key=lambda run: gain(run, "morph"))[len(runs) // 2]
+    plot(args.plot, median_run["morph"][1], median_run["morph"][2])
+    kv_wait = [run["fp"][1].kv_wait_share(run["fp"][0].duration_s) for run in runs]
+
+    print(f"\nmedians over {args.runs} run(s)")
+    print(f"{'server':8s} {'TTFT P50':>9s} {'P95':>8s} {'P99':>8s} {'TPOT P99':>9s} {'SLO':>6s} {'tok/s':>7s} "
+          f"{'KV wait':>8s}")
+    for kind in kinds:
+        def med(f):
+            return statistics.median(f(run[kind]) for run in runs)
+        print(f"{kind:8s} {med(lambda r: r[0].ttft(50)):9.3f} {med(lambda r: r[0].ttft(95)):8.3f} "
+              f"{med(lambda r: r[0].ttft(99)):8.3f} {med(lambda r: r[0].tpot(99)):9.4f} "
+              f"{100 * med(lambda r: r[0].slo_attainment):5.1f}% {med(lambda r: r[0].output_throughput):7.1f} "
+              f"{100 * med(lambda r: r[1].kv_wait_share(r[0].duration_s)):7.0f}%")
+    print(f"fp server's head of the queue waited for KV blocks {100 * statistics.median(kv_wait):.0f} % of the time "
+          f"(runs: {', '.join(f'{100 * w:.0f} %' for w in kv_wait)})")
+    print(f"morph P95 TTFT gain per run: {', '.join(f'{g:.2f}' for g in gains)} (median {statistics.median(gains):.2f}, "
+          f"spread {min(gains):.2f}-{max(gains):.2f})")
+    if "w4" in kinds:
+        w4_gains = [gain(run, "w4") for run in runs]
+        print(f"static W4 P95 TTFT gain per run: {', '.join(f'{g:.2f}' for g in w4_gains)} "
+              f"(median {statistics.median(w4_gains):.2f})")
     print(f"morph: {100 * share_quantized:.1f} % of (token x layer) products ran in W4; token-weighted perplexity "
-          f"loss {loss_morph:.4f} vs static W4 {loss_w4:.4f}; plot: {args.plot}")
-    gain = reports["fp"].ttft(95) / max(reports["morph"].ttft(95), 1e-9)
-    print(f"RESULT morph_p95_ttft_gain {gain:.3g}")
+          f"loss {loss_morph:.4f} vs static W4 {loss_w4:.4f}; plot (median run): {args.plot}")
+    print(f"RESULT morph_p95_ttft_gain {statistics.median(gains):.3g}")
+    print(f"RESULT morph_p95_ttft_gain_min {min(gains):.3g}")
+    print(f"RESULT morph_p95_ttft_gain_max {max(gains):.3g}")
+    print(f"RESULT morph_fp_kv_wait_share {statistics.median(kv_wait):.3g}")
     print(f"RESULT morph_quality_kept {quality_kept:.3g}")
     return 0
 
