@@ -54,10 +54,15 @@ class PackedLinear(nn.Linear):
 def takes_packing(module: nn.Module) -> bool:
     """A plain (or oneDNN) CPU linear in bf16, or in fp32 when large enough for oneDNN to win at all (the rule of
     layers/cpu_gemm.py); quantized, sharded, fp16 and GPU linears keep their own kernels."""
-    if type(module) not in (nn.Linear, OneDnnLinear) or module.weight.device.type != "cpu":
-        return False
-    dtype = module.weight.dtype
-    return dtype == torch.bfloat16 or (dtype == torch.float32 and module.weight.numel() >= MIN_ONEDNN_NUMEL)
+    return _is_plain_cpu_linear(module) and _packs(module.weight.dtype, module.weight.numel())
+
+
+def _is_plain_cpu_linear(module: nn.Module) -> bool:
+    return type(module) in (nn.Linear, OneDnnLinear) and module.weight.device.type == "cpu"
+
+
+def _packs(dtype: torch.dtype, numel: int) -> bool:
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and numel >= MIN_ONEDNN_NUMEL)
 
 
 @torch.no_grad()
@@ -68,3 +73,76 @@ def pack_linear(module: nn.Linear) -> int:
     module.packed_weight = packed
     module.__class__ = PackedLinear
     return int(torch.ops.mkldnn._nbytes(packed))
+
+
+# ---------------------------------------------------------------- fused projections
+# Linears that read the same input (a layer's q/k/v, its gate/up) run as one GEMM over their weights stacked on
+# the output axis, as vLLM's QKVParallelLinear and MergedColumnParallelLinear do: one oneDNN call instead of three
+# (or two), no small K/V products that the kernel's per-call cost dominates, and one module dispatch where the
+# input is read. HF's modeling code still calls q_proj, k_proj and v_proj in turn; the first call for an input
+# computes the fused product and every member returns its column slice of it.
+
+class FusedProduct:
+    """The stacked packed weight of a fusion group and the product of its last input, held until every member has
+    read its slice (a prefill's product must not outlive its step)."""
+
+    def __init__(self, packed_weight: torch.Tensor, bias: torch.Tensor | None, num_members: int):
+        self.packed_weight = packed_weight
+        self.bias = bias
+        self.num_members = num_members
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._unread = 0
+
+    def read(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused product of x: [..., in_features] -> [..., sum of the members' out_features]. Recomputed
+        unless x is the very tensor of the last product that still has unread members. (Identity, not a version
+        counter: inference tensors have none. HF computes a layer's projections back to back from one tensor that
+        nothing writes in between; the product holds x, so its id cannot be reused meanwhile.)"""
+        if self._unread == 0 or x is not self._input:
+            self._output = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            self._input, self._unread = x, self.num_members
+        output = self._output
+        self._unread -= 1
+        if self._unread == 0:
+            self._input = self._output = None
+        return output
+
+
+class FusedMemberLinear(nn.Linear):
+    """One member of a fusion group: its output is columns [column_start, column_start + out_features) of the
+    group's product. Its `weight` is a meta tensor of its own shape once the arena pages went back."""
+
+    fused: FusedProduct
+    column_start: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [..., in_features] -> [..., out_features], a view of the group's product (its rows stay contiguous)
+        return self.fused.read(x)[..., self.column_start:self.column_start + self.out_features]
+
+
+def fusable(group: list[nn.Module]) -> bool:
+    """Members that can share one GEMM: plain CPU linears of one dtype and input size, all with a bias or none,
+    whose stacked weight packs (in fp32 the rule is on the stacked size: small K/V projections join q's)."""
+    first = group[0]
+    return (len(group) > 1 and all(_is_plain_cpu_linear(m) for m in group)
+            and all(m.weight.dtype == first.weight.dtype and m.in_features == first.in_features for m in group)
+            and len({m.bias is None for m in group}) == 1
+            and _packs(first.weight.dtype, sum(m.weight.numel() for m in group)))
+
+
+@torch.no_grad()
+def pack_fused(group: list[nn.Linear]) -> int:
+    """Stack the group's weights [sum(out), in], pack them once and switch every member to FusedMemberLinear, in
+    place. Returns the bytes it holds: the packed tensor (the members' plain bytes together) and the stacked bias."""
+    stacked = torch.cat([m.weight.detach() for m in group], dim=0)           # [sum(out_features), in_features]
+    bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
+    packed = torch.ops.mkldnn._reorder_linear_weight(stacked, PACK_BATCH_HINT)
+    del stacked
+    product = FusedProduct(packed, bias, len(group))
+    start = 0
+    for module in group:
+        module.fused, module.column_start = product, start
+        module.__class__ = FusedMemberLinear
+        start += module.out_features
+    return int(torch.ops.mkldnn._nbytes(packed)) + (0 if bias is None else bias.numel() * bias.element_size())

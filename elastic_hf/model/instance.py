@@ -143,7 +143,7 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     # and prepacked weights where they never change after load (their bytes count before the KV is sized).
     use_onednn_linears(loaded.hf_model)
     if config.packs_weights and packing_available():
-        num_packed = weights.pack_linears(loaded.hf_model)
+        num_packed = weights.pack_linears(loaded.hf_model, loaded.adapter.fusion_groups(loaded.layers))
         log.info("%d linears on oneDNN prepacked weights (%s beyond the plain weights: tied tables)", num_packed,
                  format_bytes(weights.packed_extra_bytes))
     elif config.packed_weights == "on":

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from elastic_hf.layers.packed_linear import pack_linear, takes_packing
+from elastic_hf.layers.packed_linear import fusable, pack_fused, pack_linear, takes_packing
 from elastic_hf.memory import MemoryBudget, create_arena
 from elastic_hf.memory.arena import PageArena
 from elastic_hf.units import round_up
@@ -167,19 +167,27 @@ class PlacedWeights:
         return self.placement.committed_bytes + self.packed_extra_bytes
 
     @torch.no_grad()
-    def pack_linears(self, model: nn.Module) -> int:
+    def pack_linears(self, model: nn.Module, fusion_groups: list[list[nn.Module]] = ()) -> int:
         """Switch every packable linear of `model` to oneDNN's prepacked layout (layers/packed_linear.py), decommit
         the arena pages that only packed weights covered, and charge the packed bytes to the ledger. A weight
         another module also reads (a tied LM head's embedding table) keeps its pages; its packed copy is extra.
         The plain weights that gave their pages back become meta tensors, so a stray read fails instead of
-        silently faulting in zero pages. Returns how many linears were packed."""
-        linears = [m for m in model.modules() if takes_packing(m)]
-        shared = {id(p) for m in model.modules() if not takes_packing(m) for p in m.parameters(recurse=False)}
+        silently faulting in zero pages. Each of `fusion_groups` that can (linears reading one input: q/k/v,
+        gate/up) becomes one stacked packed weight and one GEMM. Returns how many linears were packed."""
+        groups = [g for g in fusion_groups if fusable(g)]
+        fused = {id(m) for g in groups for m in g}
+        linears = [m for m in model.modules() if id(m) in fused or takes_packing(m)]
+        packed = {id(m) for m in linears}
+        shared = {id(p) for m in model.modules() if id(m) not in packed for p in m.parameters(recurse=False)}
         base = self.arena.view(0, (1,), torch.uint8).data_ptr()
         spans, charged = [], 0
+        weights = {id(m): m.weight for m in linears}   # before a member's class (and weight) changes
+        for group in groups:
+            charged += pack_fused(group)
         for module in linears:
-            weight = module.weight
-            charged += pack_linear(module)
+            weight = weights[id(module)]
+            if id(module) not in fused:
+                charged += pack_linear(module)
             if id(weight) not in shared:
                 start = weight.data_ptr() - base
                 spans.append((start, start + weight.numel() * weight.element_size()))

@@ -32,6 +32,11 @@ class ArchAdapter:
         """Every nn.Linear of a decoder layer, relative to the layer."""
         return (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj, self.down_proj)
 
+    def fusion_groups(self, layers: nn.ModuleList) -> list[list[nn.Module]]:
+        """Per decoder layer, the linears HF calls back to back on one input: (q, k, v) and (gate, up)."""
+        return [[layer.get_submodule(name) for name in names] for layer in layers
+                for names in ((self.q_proj, self.k_proj, self.v_proj), (self.gate_proj, self.up_proj))]
+
     def head_counts(self, config) -> tuple[int, int, int]:
         """(num_attention_heads, num_key_value_heads, head_dim)."""
         num_heads = config.num_attention_heads

@@ -51,14 +51,15 @@ def test_aten_backend_and_env_override(monkeypatch):
 
 
 def test_default_model_linears_run_on_onednn(default_model):
-    """The engine's model computes its big projections and LM head with oneDNN, on prepacked weights (a single
-    worker without morphing: layers/packed_linear.py); K/V projections stay on ATen."""
+    """The engine's model computes every projection and the LM head with oneDNN on prepacked weights (a single
+    worker without morphing: layers/packed_linear.py): q/k/v as one fused GEMM (the small K/V projections alone
+    would stay on ATen), gate/up as another."""
     kinds = {}
     for name, module in default_model.worker.hf_model.named_modules():
         if isinstance(module, nn.Linear):
             kinds.setdefault(type(module).__name__, set()).add(name.rsplit(".", 1)[-1])
-    assert kinds["PackedLinear"] == {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
-    assert kinds["Linear"] == {"k_proj", "v_proj"}
+    assert kinds == {"PackedLinear": {"o_proj", "down_proj", "lm_head"},
+                     "FusedMemberLinear": {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}}
 
 
 def test_fp32_linear_follows_the_same_rule(monkeypatch):

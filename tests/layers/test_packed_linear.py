@@ -1,14 +1,16 @@
 """oneDNN prepacked linear weights (layers/packed_linear.py, PlacedWeights.pack_linears): bf16 results bit-identical
-to F.linear, an engine with packed weights gives the unpacked engine's (and HF's) greedy tokens, the plain weights'
-pages really go back (ledger and RSS), a tied LM head keeps its table and counts its packed copy, and the
-deployments whose weights change after load never pack."""
+to F.linear, fused q/k/v and gate/up GEMMs give each member's own result (bit-identical in bf16) and hold no
+product past its last reader, an engine with packed and fused weights gives the unpacked engine's (and HF's) greedy
+tokens, the plain weights' pages really go back (ledger and RSS), a tied LM head keeps its table and counts its
+packed copy, and the deployments whose weights change after load never pack."""
 import pytest
 import torch
 from torch import nn
 
 from elastic_hf import ElasticModel
 from elastic_hf.config import EngineConfig
-from elastic_hf.layers.packed_linear import PackedLinear, pack_linear, packing_available, takes_packing
+from elastic_hf.layers.packed_linear import (FusedMemberLinear, PackedLinear, fusable, pack_fused, pack_linear,
+                                             packing_available, takes_packing)
 from elastic_hf.model.loader import load_hf_model
 from elastic_hf.parallel.worker import rss_anon_bytes
 from greedy_reference import hf_greedy, mixed_prompts
@@ -34,6 +36,67 @@ def test_packed_bf16_is_bit_identical_and_fp32_close(shape):
             assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_members_give_their_own_results(dtype, bias):
+    """q/k/v-shaped members (576 -> 576, 192, 192), with biases as Qwen2 has: each member's output through the one
+    fused GEMM equals its own linear's (bit for bit in bf16), for a decode and a prefill input."""
+    torch.manual_seed(1)
+    group = [nn.Linear(576, out, bias=bias).to(dtype) for out in (576, 192, 192)]
+    for x in (torch.randn(1, 1, 576).to(dtype), torch.randn(1, 37, 576).to(dtype)):
+        expected = [m(x) for m in group]
+        members = [nn.Linear(576, m.out_features, bias=bias).to(dtype) for m in group]
+        for m, original in zip(members, group):
+            m.load_state_dict(original.state_dict())
+        assert fusable(members)
+        nbytes = sum(m.weight.numel() * m.weight.element_size() for m in members)
+        nbytes += sum(m.bias.numel() * m.bias.element_size() for m in members) if bias else 0
+        assert pack_fused(members) == nbytes
+        got = [m(x) for m in members]
+        for g, e in zip(got, expected):
+            assert g.shape == e.shape
+            if dtype == torch.bfloat16:
+                assert torch.equal(g, e)
+            else:
+                assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+        assert members[0].fused._output is None and members[0].fused._input is None   # every member read it
+
+
+def test_fused_product_is_recomputed_for_a_new_input():
+    """A member called with another tensor than the pending product's input gets its own product (an interrupted
+    forward leaves nothing stale), and the product is computed once for the members that share an input."""
+    torch.manual_seed(2)
+    gate, up = (nn.Linear(64, 128).to(torch.bfloat16) for _ in range(2))
+    ref_gate, ref_up = (nn.Linear(64, 128).to(torch.bfloat16) for _ in range(2))
+    ref_gate.load_state_dict(gate.state_dict())
+    ref_up.load_state_dict(up.state_dict())
+    pack_fused([gate, up])
+    a, b, c = (torch.randn(3, 64).to(torch.bfloat16) for _ in range(3))
+    assert torch.equal(gate(a), ref_gate(a))           # product of a pending: up has not read it
+    assert torch.equal(up(b), ref_up(b))               # another input: recomputed, not a's columns
+    assert torch.equal(gate(b), ref_gate(b))           # b's product, read by its last member: released
+    product = gate.fused
+    assert product._output is None
+    calls = []
+    original = torch.ops.mkldnn._linear_pointwise
+    try:
+        torch.ops.mkldnn._linear_pointwise = lambda *args: calls.append(1) or original(*args)
+        assert torch.equal(gate(c), ref_gate(c)) and torch.equal(up(c), ref_up(c))
+    finally:
+        torch.ops.mkldnn._linear_pointwise = original
+    assert len(calls) == 1 and product._output is None
+
+
+def test_what_fuses():
+    bf16 = [nn.Linear(64, n).to(torch.bfloat16) for n in (64, 16, 16)]
+    assert fusable(bf16)
+    assert not fusable(bf16[:1])                                                   # one member: nothing to fuse
+    assert not fusable([nn.Linear(576, 192), nn.Linear(576, 192)])                  # fp32 stack below the rule
+    assert fusable([nn.Linear(576, 576), nn.Linear(576, 192), nn.Linear(576, 192)])  # k/v join q in fp32
+    assert not fusable([nn.Linear(64, 64).to(torch.bfloat16), nn.Linear(64, 64, bias=False).to(torch.bfloat16)])
+    assert not fusable([nn.Linear(64, 64).to(torch.bfloat16), nn.Linear(32, 64).to(torch.bfloat16)])
+
+
 def test_which_linears_pack():
     assert takes_packing(nn.Linear(64, 64).to(torch.bfloat16))           # bf16: every size gains
     assert not takes_packing(nn.Linear(576, 192))                          # small fp32: ATen is faster
@@ -56,6 +119,10 @@ def _packed_modules(model):
     return [m for m in model.worker.hf_model.modules() if type(m) is PackedLinear]
 
 
+def _fused_members(model):
+    return [m for m in model.worker.hf_model.modules() if type(m) is FusedMemberLinear]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_engine_on_packed_weights_keeps_greedy_tokens_and_memory(checkpoints, dtype, tied):
@@ -68,21 +135,25 @@ def test_engine_on_packed_weights_keeps_greedy_tokens_and_memory(checkpoints, dt
                                           max_num_batched_tokens=64) as model:
             runs[mode] = [o.outputs[0].token_ids for o in model.generate(prompts, max_tokens=MAX_NEW)]
             reports[mode] = model.memory_report()
-            packed = _packed_modules(model)
+            packed, fused = _packed_modules(model), _fused_members(model)
             if mode == "off":
-                assert not packed
+                assert not packed and not fused
                 continue
-            # fp32: gate/up/down and the head (q/k/v/o are below the oneDNN size rule); bf16: every linear.
-            assert len(packed) == (3 * 3 + 1 if dtype == "float32" else 3 * 7 + 1)
+            # fp32: gate+up fused, down and the head packed (q/k/v stacked and o are below the oneDNN size rule);
+            # bf16: q+k+v and gate+up fused, o, down and the head packed.
+            assert len(packed) == (3 + 1 if dtype == "float32" else 3 * 2 + 1)
+            assert len(fused) == (3 * 2 if dtype == "float32" else 3 * 5)
             head = model.worker.hf_model.lm_head
             embed = model.worker.hf_model.model.embed_tokens
-            for m in packed:   # the plain weights gave their pages back, but a tied head's table is the embedding
+            for m in packed + fused:   # the plain weights gave their pages back; a tied head's table is the embedding
                 assert m.weight.device.type == ("cpu" if m is head and tied else "meta")
             assert (head.weight is embed.weight) == tied
             page = model.worker.instance.page_size
             head_bytes = head.packed_weight.numel() * head.packed_weight.element_size()
             # The ledger adds up: what the arena still commits plus every packed weight.
             packed_bytes = sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in packed)
+            packed_bytes += sum(p.packed_weight.numel() * p.packed_weight.element_size()
+                                for p in {id(m.fused): m.fused for m in fused}.values())
             assert reports[mode]["weights_bytes"] == model.worker.instance.weights.arena.committed_bytes + packed_bytes
     assert runs["auto"] == runs["off"]
     if dtype == "float32":

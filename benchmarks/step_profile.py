@@ -1,0 +1,142 @@
+"""Where a decode step's time goes: the default model, decode-only steps at several batch sizes, each step's wall
+time split into GEMMs (linears and the LM head), attention (the native paged kernel or the torch path, K/V
+writes), other tensor ops (norms, rotary, activations, residual adds, copies) and what no tensor op accounts for
+(the engine's Python: scheduling, batch building, sampling, detokenizing, the step's framework glue).
+
+    python benchmarks/step_profile.py [--dtype {float32,bfloat16}] [--batches 1 4 16 32] [--steps 10]
+                                      [--context 128] [--packed-weights {auto,on,off}]
+
+Every batch first prefills `--batches` prompts of `--context` tokens, then times `--steps` decode steps driven
+through `engine.step()` under torch.profiler; the shares are of the summed step wall time. Prints a table per
+batch and `RESULT step_ms_b<B> <ms>` and `RESULT step_non_gemm_share_b<B> <share>`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_description, wikitext_prompts  # noqa: E402
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm",
+            "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "mkl::_mkl_linear",
+            "aten::mkldnn_linear")
+ATTENTION_LABEL = "elastic::paged_attention"
+
+
+def classify(name: str) -> str:
+    if name in GEMM_OPS:
+        return "gemm"
+    return "other ops"
+
+
+def top_level_ops(events) -> dict[str, float]:
+    """Self-inclusive time (us) of every top-level tensor op (an op whose parent is not itself an op), by name:
+    summing these never counts a nested op twice."""
+    totals: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.device_type.name != "CPU":
+            continue
+        parent = e.cpu_parent
+        inside_op = False
+        while parent is not None:
+            if parent.name.startswith(("aten::", "mkldnn::", "mkl::", "elastic::")) or parent.name == ATTENTION_LABEL:
+                inside_op = True
+                break
+            parent = parent.cpu_parent
+        if inside_op:
+            continue
+        if e.name.startswith(("aten::", "mkldnn::", "mkl::")) or e.name == ATTENTION_LABEL:
+            totals[e.name] += e.cpu_time_total
+    return totals
+
+
+def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, float]:
+    from elastic_hf.engine.sampling_params import SamplingParams
+    from elastic_hf.kv import paged_attention
+
+    engine = model.instances[0].engine
+    params = SamplingParams(temperature=0.0, max_tokens=2 * num_steps + 4, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profile-b{len(prompts)}-{i}", prompt, params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for r in engine.requests.values() for s in r.seqs):
+        engine.step()
+    engine.step()   # one untimed decode step: every sequence is decoding from here on
+    # The profiler's own cost per op inflates the step: time the same number of steps without it first.
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        engine.step()
+    unprofiled_ms = (time.perf_counter() - start) / num_steps * 1e3
+
+    original = paged_attention.paged_attention_forward
+
+    def labelled(*args, **kwargs):   # the native kernel runs through ctypes: label it to see it
+        with record_function(ATTENTION_LABEL):
+            return original(*args, **kwargs)
+
+    from transformers import AttentionInterface
+    AttentionInterface.register(paged_attention.ATTN_IMPLEMENTATION, labelled)
+    try:
+        walls = []
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(num_steps):
+                start = time.perf_counter()
+                engine.step()
+                walls.append(time.perf_counter() - start)
+    finally:
+        AttentionInterface.register(paged_attention.ATTN_IMPLEMENTATION, original)
+    while engine.has_unfinished_requests():
+        engine.step()
+    ops = top_level_ops(prof.events())
+    wall_us = sum(walls) * 1e6
+    shares = defaultdict(float)
+    for name, us in ops.items():
+        shares["attention" if name == ATTENTION_LABEL else classify(name)] += us
+    shares["python (no tensor op)"] = max(0.0, wall_us - sum(shares.values()))
+    top_other = sorted(((us, n) for n, us in ops.items() if classify(n) == "other ops" and n != ATTENTION_LABEL),
+                       reverse=True)[:6]
+    return {"step_ms": unprofiled_ms, "profiled_step_ms": wall_us / num_steps / 1e3, "shares": {k: v / wall_us for k, v in shares.items()},
+            "top_other": [(n, us / num_steps / 1e3) for us, n in top_other]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--packed-weights", default="auto", choices=("auto", "on", "off"))
+    args = ap.parse_args(argv)
+    if args.steps < 1 or min(args.batches) < 1:
+        ap.error(f"--steps and --batches must be >= 1, got {args.steps} and {args.batches}")
+
+    from elastic_hf import ElasticModel
+
+    model = ElasticModel.from_pretrained(dtype=args.dtype, packed_weights=args.packed_weights,
+                                         max_num_seqs=max(args.batches), max_num_batched_tokens=2048)
+    prompts = wikitext_prompts(model.tokenizer, max(args.batches), args.context, args.context)
+    model.generate(prompts[:2], max_tokens=4, ignore_eos=True)   # warm-up
+    print(f"machine: {machine_description()}")
+    print(f"model: SmolLM2-135M-Instruct {args.dtype}, packed weights {args.packed_weights}; decode steps at "
+          f"context ~{args.context}, {args.steps} steps per batch size")
+    for batch in args.batches:
+        r = profile_batch(model, prompts[:batch], args.steps)
+        print(f"\nbatch {batch}: {r['step_ms']:.1f} ms/step ({r['profiled_step_ms']:.1f} under the profiler, which "
+              "the shares are of)")
+        for kind in ("gemm", "attention", "other ops", "python (no tensor op)"):
+            print(f"  {kind:24s} {100 * r['shares'].get(kind, 0.0):5.1f} %")
+        print("  largest other ops (ms/step): " + ", ".join(f"{n} {ms:.2f}" for n, ms in r["top_other"]))
+        print(f"RESULT step_ms_b{batch} {r['step_ms']:.2f}")
+        print(f"RESULT step_non_gemm_share_b{batch} {1 - r['shares'].get('gemm', 0.0):.3f}")
+    model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
