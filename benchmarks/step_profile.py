@@ -46,7 +46,7 @@ def top_level_ops(events) -> dict[str, float]:
         parent = e.cpu_parent
         inside_op = False
         while parent is not None:
-            if parent.name.startswith(("aten::", "mkldnn::", "mkl::", "elastic::")) or parent.name == ATTENTION_LABEL:
+            if parent.name.startswith(("aten::", "mkldnn::", "mkl::")) or parent.name == ATTENTION_LABEL:
                 inside_op = True
                 break
             parent = parent.cpu_parent

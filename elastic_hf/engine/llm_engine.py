@@ -197,10 +197,11 @@ class LLMEngine:
     def _sampling_runner(self, inputs: list[SeqStepInput], seqs: list[Sequence]):
         """The runner's `execute_sampled` when this step can sample where the logits are: no row asks for
         log-probabilities (those need the logits here). None: the logits come back and are sampled here."""
-        remote = getattr(self.runner, "execute_sampled", None)
-        if remote is None or any(i.all_logits for i in inputs) or any(q.params.logprobs is not None for q in seqs):
+        if not getattr(self.runner, "samples_remotely", False):
             return None
-        return remote
+        if any(i.all_logits for i in inputs) or any(q.params.logprobs is not None for q in seqs):
+            return None
+        return self.runner.execute_sampled
 
     # ------------------------------------------------------------------ log-probabilities and failures
     def _wants_prompt_logits(self, s: ScheduledSeq) -> bool:

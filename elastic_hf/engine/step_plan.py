@@ -24,7 +24,7 @@ class Runner(Protocol):
         per input with needs_logits, len(token_ids) rows per input with all_logits, none for the others."""
         ...
 
-    # Optional: a runner whose logits live in another process also offers
+    # Optional: a runner whose logits live in another process says so with `samples_remotely = True` and offers
     #   execute_sampled(inputs, sampling: list[RemoteSampling]) -> SampledStep   (engine/sampler.py)
     # which samples the needs_logits rows where they were computed and returns token ids; the engine uses it for
     # every step in which no row asks for log-probabilities.

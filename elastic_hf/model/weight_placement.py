@@ -181,11 +181,10 @@ class PlacedWeights:
         shared = {id(p) for m in model.modules() if id(m) not in packed for p in m.parameters(recurse=False)}
         base = self.arena.view(0, (1,), torch.uint8).data_ptr()
         spans, charged = [], 0
-        weights = {id(m): m.weight for m in linears}   # before a member's class (and weight) changes
         for group in groups:
             charged += pack_fused(group)
         for module in linears:
-            weight = weights[id(module)]
+            weight = module.weight   # packing changes the class; the plain weight goes just below
             if id(module) not in fused:
                 charged += pack_linear(module)
             if id(weight) not in shared:

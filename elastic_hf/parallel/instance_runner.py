@@ -31,6 +31,12 @@ class InstanceRunner:
     def execute(self, inputs):
         return self._run(inputs, None)   # [num_sampling_seqs, vocab]
 
+    @property
+    def samples_remotely(self) -> bool:
+        """Sample on the worker (execute_sampled) only when its logits would otherwise cross a pipe: in process,
+        shipping each row's sampling state there and back buys nothing."""
+        return self.pool.crosses_processes
+
     def execute_sampled(self, inputs, sampling):
         """The step, sampled on the worker that holds the logits (engine/sampler.py): a SampledStep comes back."""
         return self._run(inputs, sampling)

@@ -47,6 +47,7 @@ class InProcessWorkerPool:
     def __init__(self, worker):
         self.worker = worker
         self.num_workers = 1
+        self.crosses_processes = False   # results come back as the objects the worker made: no pipe to spare
         self.executor = None   # one instance: steps run in the caller's thread
 
     def call(self, worker: int, method: str, *args):
@@ -137,6 +138,7 @@ class ProcessWorkerPool:
         self.model_id = model_id
         self.store = store
         self.num_workers = config.num_workers
+        self.crosses_processes = True
         self._procs, self._conns = [], []
         self.executor: ThreadPoolExecutor | None = None
         port = _free_port()
