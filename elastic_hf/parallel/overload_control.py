@@ -197,6 +197,9 @@ class OverloadControl:
 
     def _reshape(self, kind: str, target, defer_kv: bool = False) -> ReshapeReport | None:
         started = time.perf_counter()
+        # The commit starts the KV exchange from inside run_reshape, and one with nothing to move settles at once:
+        # the reshape's own entry goes before whatever the exchange logged meanwhile, in commit order.
+        position = len(self.history)
         try:
             report = run_reshape(self.dep, target, defer_kv=defer_kv)
         except (ValueError, ReshapeAborted) as exc:
@@ -213,9 +216,10 @@ class OverloadControl:
         weights = [r["weights_bytes"] for r in self.dep.memory_report()]
         for w, (before, now) in enumerate(zip(self.base_weights, weights)):
             self.metrics.dropped_bytes.labels(worker=str(w)).set(max(0, before - now))
-        self.history.append({"event": kind, "outcome": "committed", "old": report.old, "new": report.new,
-                             "seconds": round(time.perf_counter() - started, 4),
-                             "dropped_weight_bytes": [max(0, b - n) for b, n in zip(self.base_weights, weights)]})
+        self.history.insert(position, {"event": kind, "outcome": "committed", "old": report.old, "new": report.new,
+                                       "seconds": round(time.perf_counter() - started, 4),
+                                       "dropped_weight_bytes": [max(0, b - n)
+                                                                for b, n in zip(self.base_weights, weights)]})
         return report
 
     def _refused(self, kind: str, reason: str) -> None:

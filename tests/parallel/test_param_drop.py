@@ -145,6 +145,16 @@ def test_drop_frees_the_layers_bytes_for_kv_blocks(drop_checkpoint, reference):
         assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
 
 
+def test_history_logs_an_idle_drop_before_its_exchange(drop_checkpoint):
+    """With no request running, the exchange the commit starts has nothing to move and settles inside the commit;
+    the history still reads in commit order: the drop, then its exchange, then the restore."""
+    with _model(drop_checkpoint) as model:
+        assert model.drop() is not None
+        assert model.restore() is not None
+        events = [h["event"] for h in model.overload_state()["history"]]
+        assert events[:2] == ["drop", "exchange_done"] and events[-1] == "restore", events
+
+
 @pytest.mark.stress
 def test_failed_drop_rolls_back_at_every_stage_and_serves_on(drop_checkpoint, reference):
     ref, tokenizer = reference
