@@ -3,9 +3,10 @@ from importlib.metadata import PackageNotFoundError, version as _package_version
 
 from elastic_hf.config import EngineConfig, MorphConfig
 from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
-from elastic_hf.engine.sampling_params import SamplingParams
+from elastic_hf.engine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["ElasticModel", "EngineConfig", "MorphConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["ElasticModel", "EngineConfig", "MorphConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
+           "CompletionOutput"]
 try:
     VERSION = _package_version("elastic-hf")   # one place: pyproject.toml
 except PackageNotFoundError:  # a source tree on sys.path without an install

@@ -5,6 +5,7 @@ the server drives the same deployment (`model.engine`) from its own thread throu
 `memory_report` reads every worker's ledger."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -12,7 +13,7 @@ from collections.abc import Iterable, Iterator
 
 from elastic_hf.config import EngineConfig, MorphConfig
 from elastic_hf.engine.outputs import RequestOutput
-from elastic_hf.engine.sampling_params import SamplingParams
+from elastic_hf.engine.sampling_params import RequestOutputKind, SamplingParams
 from elastic_hf.parallel.deployment import Deployment
 from elastic_hf.parallel.reshape import ReshapeReport
 from elastic_hf.units import format_bytes
@@ -197,6 +198,9 @@ class ElasticModel:
         """Complete one prompt (-> RequestOutput) or a list (-> list). Prompts are text or token ids.
         Sampling keywords: see SamplingParams (default here: greedy)."""
         params = self._params(sampling_params, sampling)
+        if params.output_kind is RequestOutputKind.CUMULATIVE:
+            # only the final output is returned: the engine need not copy the output so far on every step
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         request_ids: list[str] = []

@@ -49,16 +49,16 @@ class Detokenizer:
         return False
 
     def _decode_new_tokens(self, seq: Sequence) -> None:
-        out_ids = seq.output_token_ids
         if self.backend is None or seq.decode_stream == _WHOLE:
-            seq.decoded_text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
-            seq.num_decoded_tokens = len(out_ids)
+            seq.decoded_text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            seq.num_decoded_tokens = seq.num_output_tokens
             return
         if seq.decode_stream is None:
             seq.decode_stream = DecodeStream(skip_special_tokens=True)
         pieces = []
         try:
-            for token in out_ids[seq.num_decoded_tokens:]:
+            # only the new tokens: slicing the whole output here would make each step O(output length)
+            for token in seq.token_ids[seq.num_prompt_tokens + seq.num_decoded_tokens:]:
                 piece = seq.decode_stream.step(self.backend, token)
                 seq.num_decoded_tokens += 1
                 if piece is not None:   # None: the token ends inside a multi-byte character

@@ -15,7 +15,7 @@ from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
 from elastic_hf.engine.sampler import (RemoteSampling, adopt_sampled, make_sampler_state, sample,
                                        token_logprobs)
-from elastic_hf.engine.sampling_params import SamplingParams
+from elastic_hf.engine.sampling_params import RequestOutputKind, SamplingParams
 from elastic_hf.engine.scheduler import ScheduledSeq, Scheduler
 from elastic_hf.engine.sequence import Request, Sequence, SeqStatus
 from elastic_hf.engine.step_plan import Runner, SeqStepInput
@@ -190,7 +190,7 @@ class LLMEngine:
                 self.metrics.observe_tpot(now - request.last_token_time)
                 self._recent_tpot.append(now - request.last_token_time)
             request.last_token_time = now
-        outputs = [self._make_output(r) for r in touched.values()]
+        outputs = [out for out in map(self._make_output, touched.values()) if out is not None]
         self._update_gauges()
         return outputs
 
@@ -273,23 +273,15 @@ class LLMEngine:
                 self.detokenizer.finish(seq)
             self.scheduler.finish(seq, reason)
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        completions = []
-        for seq in request.seqs:
-            finished = seq.is_finished
-            end = self.detokenizer.emittable_length(seq, finished)
-            out_ids = seq.output_token_ids
-            wants_logprobs = seq.params.logprobs is not None
-            completions.append(CompletionOutput(
-                index=seq.index, text=seq.text[:end], token_ids=list(out_ids),
-                delta_text=seq.text[seq.num_emitted_chars:end],
-                delta_token_ids=list(out_ids[seq.num_emitted_tokens:]),
-                finish_reason=seq.finish_reason,
-                logprobs=list(seq.logprobs) if wants_logprobs else None,
-                delta_logprobs=seq.logprobs[seq.num_emitted_tokens:] if wants_logprobs else None))
-            seq.num_emitted_chars = end
-            seq.num_emitted_tokens = len(out_ids)
+    def _make_output(self, request: Request) -> RequestOutput | None:
+        """The request's output after this step, in its params.output_kind; None for a FINAL_ONLY request that is
+        still running. DELTA and FINAL_ONLY touch only what is new, so their per-step cost does not grow with the
+        output's length (CUMULATIVE copies the whole output each time, as asked)."""
         finished = request.is_finished
+        kind = request.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = [self._completion(seq, kind) for seq in request.seqs]
         if finished:
             request.finish_time = time.time()
             del self.requests[request.request_id]
@@ -298,7 +290,25 @@ class LLMEngine:
                              request.arrival_time, request.first_token_time, request.finish_time,
                              request.prompt_logprobs, request.error)
 
-    # ------------------------------------------------------------------ requests moving between engines
+    def _completion(self, seq: Sequence, kind: RequestOutputKind) -> CompletionOutput:
+        """One sequence's output; advances what it has emitted."""
+        end = self.detokenizer.emittable_length(seq, seq.is_finished)
+        first_new = seq.num_prompt_tokens + seq.num_emitted_tokens   # index in token_ids of the first new token
+        delta_ids = seq.token_ids[first_new:]
+        delta_text = seq.text[seq.num_emitted_chars:end]
+        wants_logprobs = seq.params.logprobs is not None
+        delta_logprobs = seq.logprobs[seq.num_emitted_tokens:] if wants_logprobs else None
+        if kind is RequestOutputKind.DELTA:
+            text, token_ids, logprobs = delta_text, delta_ids, delta_logprobs
+        else:
+            text, token_ids = seq.text[:end], seq.output_token_ids
+            logprobs = list(seq.logprobs) if wants_logprobs else None
+        seq.num_emitted_chars = end
+        seq.num_emitted_tokens += len(delta_ids)
+        return CompletionOutput(index=seq.index, text=text, token_ids=token_ids, delta_text=delta_text,
+                                delta_token_ids=delta_ids, finish_reason=seq.finish_reason, logprobs=logprobs,
+                                delta_logprobs=delta_logprobs)
+
     def adopt(self, request: Request, block_ids: dict[int, list[int]], recompute: bool = False,
               exchanging: bool = False) -> None:
         """Take over a request another engine ran (a reshape moves it here with its KV cache): block_ids maps

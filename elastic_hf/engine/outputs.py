@@ -1,5 +1,6 @@
-"""What the engine hands back per request: cumulative text/tokens plus the delta since the previous output, and
-the log-probabilities a request asked for."""
+"""What the engine hands back per request: the text/tokens (cumulative, or only the new ones: see
+SamplingParams.output_kind) plus the delta since the previous output, and the log-probabilities a request asked
+for."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,8 +20,8 @@ class TokenLogprob:
 @dataclass(slots=True)
 class CompletionOutput:
     index: int                              # 0..n-1 within the request
-    text: str = ""                          # cumulative, stop string removed
-    token_ids: list[int] = field(default_factory=list)
+    text: str = ""                          # cumulative (DELTA kind: the delta), stop string removed
+    token_ids: list[int] = field(default_factory=list)   # cumulative (DELTA kind: the delta)
     delta_text: str = ""                    # new since the previous RequestOutput
     delta_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None        # "stop" | "length" | "abort" | "error" | None while running

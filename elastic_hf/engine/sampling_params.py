@@ -1,6 +1,7 @@
 """Per-request sampling parameters, validated at construction so bad input fails before it reaches the engine."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from elastic_hf.engine.errors import InvalidRequest
@@ -8,6 +9,15 @@ from elastic_hf.engine.errors import InvalidRequest
 # Most alternatives per token a request may ask for (vLLM's default --max-logprobs, OpenAI's top_logprobs limit):
 # every one is a top-k over the vocabulary at every step.
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names). CUMULATIVE copies the whole output so far on
+    every step, which grows with the output's length; a server streams DELTA and answers non-streaming requests
+    with FINAL_ONLY, so its per-step work does not."""
+    CUMULATIVE = "cumulative"   # every output: text / token_ids / logprobs so far, plus the delta_* fields
+    DELTA = "delta"             # every output: only what is new (text / token_ids / logprobs are the delta_* ones)
+    FINAL_ONLY = "final_only"   # one output, when the request finishes, with everything
 
 
 @dataclass(slots=True)
@@ -25,6 +35,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None        # None: none; k >= 0: each output token's log-probability and the top k
     prompt_logprobs: int | None = None   # the same for every prompt token (OpenAI's echo with logprobs)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -53,6 +64,9 @@ class SamplingParams:
             raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
                                  param="stop_token_ids")
 
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise InvalidRequest(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
+                                 param="output_kind")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)

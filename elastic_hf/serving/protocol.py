@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_hf.engine.errors import InvalidRequest
-from elastic_hf.engine.sampling_params import SamplingParams
+from elastic_hf.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 # ---------------------------------------------------------------- errors
@@ -78,7 +78,9 @@ class SamplingRequest(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=self.seed, n=self.n, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            **dict(zip(("logprobs", "prompt_logprobs"), self.logprob_options())))
+            **dict(zip(("logprobs", "prompt_logprobs"), self.logprob_options())),
+            # a stream sends what is new each step; a plain response needs only the end
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
     @property
     def include_usage(self) -> bool:

@@ -150,7 +150,7 @@ async def completion_chunks(streams: list[RequestStream], ctx: ResponseContext, 
             choices = []
             for o in out.outputs:
                 key = (i, o.index)
-                completion_tokens[key] = len(o.token_ids)
+                completion_tokens[key] = completion_tokens.get(key, 0) + len(o.delta_token_ids)
                 lp = None
                 if logprobs and o.delta_logprobs:
                     lp = ctx.formatter.completion(o.delta_logprobs, text_offsets.get(key, 0))
@@ -185,7 +185,8 @@ async def chat_chunks(stream: RequestStream, ctx: ResponseContext, n: int, logpr
             prompt_tokens[0] = len(out.prompt_token_ids)
             choices = []
             for o in out.outputs:
-                completion_tokens[(0, o.index)] = len(o.token_ids)
+                key = (0, o.index)
+                completion_tokens[key] = completion_tokens.get(key, 0) + len(o.delta_token_ids)
                 lp = ctx.formatter.chat(o.delta_logprobs) if logprobs and o.delta_logprobs else None
                 if o.delta_text or o.finish_reason is not None or lp is not None:
                     choices.append(p.ChatChunkChoice(index=o.index, delta=p.DeltaMessage(content=o.delta_text),

@@ -2,8 +2,7 @@
 (against HF generate), stop strings, stop token ids, max_tokens, n > 1, and argument validation."""
 import pytest
 
-from elastic_hf import SamplingParams
-from elastic_hf import ElasticModel
+from elastic_hf import ElasticModel, RequestOutputKind, SamplingParams
 from greedy_reference import mixed_prompts
 
 
@@ -100,6 +99,37 @@ def test_stream_deltas_add_up(tiny, prompts):
     assert sum((d.outputs[0].delta_token_ids for d in deltas), []) == final.token_ids
 
 
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_output_kinds_carry_the_same_completions(tiny, prompts, kind):
+    """CUMULATIVE repeats the output so far, DELTA sends only what is new, FINAL_ONLY one output at the end: the
+    completions they add up to are the same (text with a stop string held back, token ids, log-probabilities)."""
+    model, _ = tiny
+    sampling = dict(max_tokens=14, n=2, temperature=0.9, seed=11, logprobs=2)
+    unstopped = model.generate(prompts[4], **sampling).outputs[0].text
+    middle = len(unstopped) // 2
+    sampling["stop"] = [unstopped[middle:middle + 3]] if len(unstopped) > 12 else []
+    final = model.generate(prompts[4], **sampling)   # generate returns the final output only
+    outs = list(model.stream(prompts[4], SamplingParams(**sampling, output_kind=kind)))
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    if kind is RequestOutputKind.FINAL_ONLY:
+        assert len(outs) == 1
+    else:
+        assert len(outs) > 3   # one per step (a held-back stop string may merge a few)
+    for index, expected in enumerate(final.outputs):
+        mine = [o.outputs[index] for o in outs]
+        assert "".join(c.delta_text for c in mine) == expected.text
+        assert sum((c.delta_token_ids for c in mine), []) == expected.token_ids
+        assert [lp.token_id for c in mine for lp in c.delta_logprobs] == expected.token_ids
+        if kind is RequestOutputKind.DELTA:   # the main fields hold the delta too, never the whole output
+            assert all(c.text == c.delta_text and c.token_ids == c.delta_token_ids for c in mine)
+            assert all(len(c.token_ids) <= 1 for c in mine)   # one token a step
+        else:   # the last output holds everything
+            assert (mine[-1].text, mine[-1].token_ids) == (expected.text, expected.token_ids)
+            assert [lp.token_id for lp in mine[-1].logprobs] == expected.token_ids
+        if kind is RequestOutputKind.CUMULATIVE:
+            assert all(expected.text.startswith(c.text) for c in mine)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(temperature=-0.5), "temperature must be >= 0"),
@@ -108,6 +138,7 @@ def test_stream_deltas_add_up(tiny, prompts):
     (dict(top_k=-1), "top_k must be an integer >= 0"),
     (dict(n=0), "n must be an integer >= 1"),
     (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+    (dict(output_kind="delta"), "output_kind must be a RequestOutputKind"),
 ])
 def test_bad_sampling_params_fail_clearly(kwargs, message):
     with pytest.raises(ValueError, match=message):
