@@ -21,6 +21,7 @@ class PrefillSlice:
     ctx_len: int                       # tokens in the cache after this step, including the new ones
     k_rows: torch.Tensor | None        # [kv_heads * ctx_len] K rows (layer 0); None when the whole context is new
     mask: torch.Tensor | None          # [q_len, ctx_len] bool; None when plain causal (q_len == ctx_len)
+    windowed: bool = False             # the mask also hides keys beyond a sliding window (else: causal only)
 
 
 @dataclass(slots=True)
@@ -118,7 +119,7 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
             if num_computed > 0:  # earlier chunks live only in the cache
                 table = torch.tensor([block_ids[:ceil_div(ctx_len, block_size)]])
                 k_rows = _k_rows(pool, table, torch.arange(ctx_len).unsqueeze(0)).flatten()
-            prefills.append(PrefillSlice(row, num_new, ctx_len, k_rows, mask))
+            prefills.append(PrefillSlice(row, num_new, ctx_len, k_rows, mask, windowed))
         row += num_new
 
     lo = pool.layout

@@ -31,7 +31,8 @@ SOURCE_DIR = Path(__file__).resolve().parent
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-std=c11")
 # Per-library additions. paged_decode: -funsafe-math-optimizations lets its exp polynomial and reductions vectorise
 # (~1.7x); unlike -ffast-math it keeps infinities and NaNs meaningful.
-EXTRA_CFLAGS = {"paged_decode": ("-funsafe-math-optimizations",)}
+EXTRA_CFLAGS = {"paged_decode": ("-funsafe-math-optimizations",),
+                "causal_prefill": ("-funsafe-math-optimizations", "-mprefer-vector-width=512")}
 
 
 def native_enabled() -> bool:
@@ -66,7 +67,8 @@ def _compiler() -> str | None:
 
 
 def _build(source: Path, compiler: str) -> Path:
-    text = source.read_bytes()
+    # the key covers the package's headers too: a kernel's source includes them
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     flags = CFLAGS + EXTRA_CFLAGS.get(source.stem, ())
     openmp = _loaded_openmp_runtime()
     # torch's runtime by path (its SONAME becomes the dependency); else the compiler's own -fopenmp link

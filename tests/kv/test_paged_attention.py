@@ -1,6 +1,7 @@
 """The paged attention over the head-centric arena equals dense SDPA on the same K/V, for a packed batch that
-mixes a fresh prefill, a chunked-prefill continuation and decodes of different lengths. Decodes are checked on
-both CPU paths: the native kernel (in place from the pages) and the pure-torch chunk gather + bmm."""
+mixes a fresh prefill, a chunked-prefill continuation and decodes of different lengths. Both CPU paths are checked:
+the native kernels (causal prefill; decode in place from the pages) and the pure-torch ones (SDPA; chunk gather +
+bmm)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,15 +33,17 @@ def _pool(num_blocks=64, num_layers=2):
 
 
 @pytest.fixture(params=["native", "torch"])
-def decode_path(request, monkeypatch):
-    if request.param == "torch":
+def attention_path(request, monkeypatch):
+    if request.param == "torch":   # SDPA for prefills, chunk gather + bmm for decodes
         monkeypatch.setattr(paged_attention, "native_decode_available", lambda dtype, device: False)
-    elif not paged_attention.native_decode_available(torch.float32, torch.device("cpu")):
-        pytest.skip("no C compiler here (or ELASTIC_HF_NATIVE=0): the native decode kernel is not built")
+        monkeypatch.setattr(paged_attention, "native_prefill_available", lambda dtype, device: False)
+    elif not (paged_attention.native_decode_available(torch.float32, torch.device("cpu"))
+              and paged_attention.native_prefill_available(torch.float32, torch.device("cpu"))):
+        pytest.skip("no C compiler here (or ELASTIC_HF_NATIVE=0): the native kernels are not built")
     return request.param
 
 
-def test_packed_mixed_batch_matches_dense_sdpa(decode_path):
+def test_packed_mixed_batch_matches_dense_sdpa(attention_path):
     torch.manual_seed(0)
     pool, allocator = _pool()
     layer = _Layer(1)
@@ -85,7 +88,7 @@ def test_layers_do_not_overwrite_each_other():
     assert torch.all(pool.layer(1)[table[0], :, 1, :3] == -2.0)
 
 
-def test_decodes_over_chunk_gather_match_sdpa_for_odd_head_dim_and_equal_lengths(decode_path):
+def test_decodes_over_chunk_gather_match_sdpa_for_odd_head_dim_and_equal_lengths(attention_path):
     """Blocks are padded to whole [block_size, head_dim] chunks even when a chunk does not divide the page
     (head_dim 24 -> 384-byte chunks, 4096-byte pages); decodes of equal lengths take the no-bias path."""
     torch.manual_seed(1)

@@ -1,0 +1,54 @@
+"""The native causal prefill kernel (elastic_hf/native/causal_prefill.c) against SDPA on the same q/k/v: whole
+prompts and chunks at the end of a longer context, lengths that are not multiples of its key / query blocks, the
+head sizes it specialises (64, 128) and generic ones, several GQA groups, strided views of one packed projection
+(as HF hands them over), fp32 and bf16."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elastic_hf.native import build
+from elastic_hf.native.causal_prefill import causal_prefill_attention, native_prefill_available
+
+pytestmark = pytest.mark.skipif(not build.native_enabled() or build._compiler() is None,
+                                reason="no C compiler here (or ELASTIC_HF_NATIVE=0)")
+
+# bf16: q/k/v widen exactly and the kernel computes in fp32, so the error is the output's bf16 rounding
+TOLERANCES = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
+
+
+def reference(q, k, v, scale):
+    """SDPA in fp32 with the causal mask of queries at the end of the context. q: [q_len, H, hd], k/v: [ctx, KVH,
+    hd] -> [q_len, H, hd]."""
+    q_len, ctx = q.shape[0], k.shape[0]
+    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k.float().transpose(0, 1),
+                                         v.float().transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (24, 4, 4), (48, 8, 1)])
+@pytest.mark.parametrize("q_len,ctx", [(1, 1), (7, 7), (33, 33), (100, 100), (5, 70), (40, 97), (1, 50)])
+def test_kernel_matches_sdpa(head_dim, num_heads, num_kv_heads, q_len, ctx, dtype):
+    assert native_prefill_available(dtype, torch.device("cpu"))
+    torch.manual_seed(head_dim * 1000 + q_len * 7 + ctx)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    # one packed q|k|v projection output, as the fused product hands it over: every operand is a strided view
+    packed = torch.randn(ctx, width).to(dtype)
+    q = packed[ctx - q_len:, :num_heads * head_dim].view(q_len, num_heads, head_dim)
+    k = packed[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(ctx, num_kv_heads, head_dim)
+    v = packed[:, (num_heads + num_kv_heads) * head_dim:].view(ctx, num_kv_heads, head_dim)
+    out = torch.full((q_len, num_heads, head_dim), float("nan"), dtype=dtype)
+    scale = head_dim ** -0.5
+
+    causal_prefill_attention(q, k, v, out, scale)
+
+    torch.testing.assert_close(out.float(), reference(q, k, v, scale), **TOLERANCES[dtype])
+
+
+def test_heads_that_do_not_divide_and_more_queries_than_keys_fail_clearly():
+    q, out = torch.randn(4, 6, 16), torch.empty(4, 6, 16)
+    with pytest.raises(ValueError, match="6 heads, 4 kv heads"):
+        causal_prefill_attention(q, torch.randn(4, 4, 16), torch.randn(4, 4, 16), out, 0.25)
+    with pytest.raises(ValueError, match=r"q \(4, 6, 16\), k \(3, 2, 16\)"):
+        causal_prefill_attention(q, torch.randn(3, 2, 16), torch.randn(3, 2, 16), out, 0.25)
