@@ -79,17 +79,19 @@ def restart_and_reprefill(model_path, state: list[list[int]], **options) -> tupl
 
 class InProcessServer:
     """One ElasticModel behind the OpenAI app and the admin morph routes (key "bench"), served by uvicorn in a
-    thread of this process, so a benchmark can read the deployment between requests."""
+    thread of this process, so a benchmark can read the deployment between requests. `build` makes the model on
+    the engine thread, as `elastic-hf serve` does (one thread owns the model's OpenMP work: engine/async_engine.py);
+    it is `self.model` afterwards."""
 
-    def __init__(self, model):
+    def __init__(self, build):
         import uvicorn
 
         from elastic_hf.engine.async_engine import AsyncEngine
         from elastic_hf.serving.admin_morph import admin_morph_router
         from elastic_hf.serving.app import build_app
 
-        self.model = model
-        self.async_engine = AsyncEngine(model.engine).start()
+        self.async_engine = AsyncEngine()
+        self.model = model = self.async_engine.start(build=build)
         if model.morph is not None:   # swaps then run at the engine thread's step boundaries (as `serve` does)
             model.morph.attach_driver(self.async_engine.wake)
         app = build_app(self.async_engine, model_id=model.model_id)

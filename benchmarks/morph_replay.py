@@ -172,9 +172,9 @@ def main(argv=None) -> int:
     for run in range(args.runs):
         runs.append({})
         for kind in kinds:
-            model = load_model(kind, kv_bytes, min(512, args.kv_blocks * 16), args.device)
+            server = InProcessServer(lambda: load_model(kind, kv_bytes, min(512, args.kv_blocks * 16), args.device))
+            model = server.model
             recorder = Recorder(model)
-            server = InProcessServer(model)
             try:
                 start = time.time()
                 report = run_replay(server.base_url, requests, ttft_slo_s=args.ttft_slo,

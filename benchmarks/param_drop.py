@@ -262,7 +262,7 @@ def calibrate(args, bar, probe_lengths) -> tuple[Calibration, int]:
         per_token = max(0.0, (pre[long_] - pre[short]) / (long_ - short))
         fixed = max(0.0, pre[short] - per_token * short)
         bar.set_description("calibration: unloaded latency")
-        server = InProcessServer(model)
+        server = InProcessServer(lambda: model)   # its steps run in the worker processes
         try:
             probe = probe_lengths(None)
             ttft, tpot = unloaded_latency(server, model.tokenizer, *probe)
@@ -370,7 +370,7 @@ def run_config(name: str, args, requests, slo, hysteresis, cost_profile, bar) ->
         capacity = sum(i.engine.scheduler.allocator.num_total for i in dep.instances) * dep.config.block_size
         topology = str(dep.topology)
         timeline = Timeline(dep)
-        server = InProcessServer(model)
+        server = InProcessServer(lambda: model)   # its steps run in the worker processes
         try:
             bar.set_description(f"replay {name}")
             t0 = time.perf_counter()

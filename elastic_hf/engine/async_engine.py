@@ -5,6 +5,12 @@ from a locked list and runs `step()` while there is work, and sleeps on a condit
 spin). Outputs travel back to per-request asyncio queues through `loop.call_soon_threadsafe`, so the event loop
 never blocks on a model step and many HTTP clients share one batch. With `request_timeout` the engine thread
 aborts a request that runs longer and ends its stream with RequestTimedOut.
+
+`start(build=...)` builds the model on the engine thread itself. OpenMP keeps one thread pool per thread that
+opens parallel regions; a model loaded on one thread and stepped on another leaves two pools, and once the
+process has more OpenMP threads than cores libgomp stops spinning between regions, so every one of a step's
+hundreds of parallel regions waits for a futex wake-up (measured: a batch-1 fp32 decode step 16.5 -> 24.8 ms,
+a 97-token prefill 72 -> 118 ms on 2 cores). One thread doing all of the data plane's tensor work keeps one pool.
 """
 from __future__ import annotations
 
@@ -14,81 +20,22 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 
 from elastic_hf.engine.errors import (EngineDeadError, EngineDraining, EngineError, EngineOverloaded,
                                       RequestTimedOut)
 from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.engine.protocol import EngineCore
+from elastic_hf.engine.request_stream import RequestStream, StreamQueue
 from elastic_hf.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _Stream:
-    """The asyncio side of one request: where the engine thread puts its outputs."""
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    accepted: asyncio.Future | None = None   # resolves once add_request ran on the engine thread
-    finished: bool = False
-    deadline: float | None = None            # time.monotonic() past which the request times out
-
-    def put(self, item) -> bool:
-        """Thread-safe put; False when the loop is gone (its consumer can never read again)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-            return True
-        except RuntimeError:  # loop closed
-            return False
-
-    def resolve(self, exc: BaseException | None) -> None:
-        def _set():
-            if self.accepted is not None and not self.accepted.done():
-                self.accepted.set_exception(exc) if exc is not None else self.accepted.set_result(None)
-        try:
-            self.loop.call_soon_threadsafe(_set)
-        except RuntimeError:
-            pass
-
-
-class RequestStream:
-    """Async iterator over one accepted request's outputs; aborts the request if iteration stops early."""
-
-    def __init__(self, owner: "AsyncEngine", stream: _Stream):
-        self._owner = owner
-        self._stream = stream
-        self.request_id = stream.request_id
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await self._stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            # Consumer went away (client disconnect, CancelledError, GeneratorExit, break): free its KV blocks now.
-            if not finished:
-                self._owner.abort(self.request_id)
-
-    def abort(self) -> None:
-        """For a stream that will never be iterated (e.g. a sibling prompt of the same HTTP request failed)."""
-        self._owner.abort(self.request_id)
-
-
 class AsyncEngine:
-    def __init__(self, engine: EngineCore, *, name: str = "elastic-hf-engine", request_timeout: float | None = None):
+    def __init__(self, engine: EngineCore | None = None, *, name: str = "elastic-hf-engine",
+                 request_timeout: float | None = None):
+        """engine: None when `start(build=...)` makes it on the engine thread."""
         self.engine = engine
         self.request_timeout = request_timeout
         self.draining = False    # set by drain(), never cleared: a drained engine is shut down next
@@ -96,7 +43,7 @@ class AsyncEngine:
         self._name = name
         self._cond = threading.Condition()
         self._commands: list[tuple] = []
-        self._streams: dict[str, _Stream] = {}   # touched only on the engine thread
+        self._streams: dict[str, StreamQueue] = {}   # touched only on the engine thread
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stats: dict = {}
@@ -104,7 +51,8 @@ class AsyncEngine:
         self._last_error: str | None = None
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
-        self._refresh_stats()
+        if engine is not None:
+            self._refresh_stats()
 
     # ---- properties the server reads ----
     @property
@@ -146,13 +94,43 @@ class AsyncEngine:
         self._submit(("fail_all", error))
 
     # ---- lifecycle ----
-    def start(self) -> "AsyncEngine":
+    def start(self, build: Callable[[], object] | None = None):
+        """Start the engine thread. Without `build`: returns self. With `build`: the thread first calls it, takes
+        the engine from the result's `.engine` (an ElasticModel's), and `start` returns that result once it is
+        built, or raises what `build` raised (then no thread is left running)."""
         if self._thread is not None and self._thread.is_alive():
+            if build is not None:
+                raise RuntimeError("the engine thread is already running; build must come with the first start()")
             return self
+        if build is None and self.engine is None:
+            raise ValueError("AsyncEngine has no engine: pass one to the constructor or give start() a build")
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        built: dict = {}
+        ready = threading.Event()
+
+        def run() -> None:
+            if build is not None:
+                try:
+                    built["result"] = result = build()
+                    self.engine = result.engine
+                    self._refresh_stats()
+                except BaseException as exc:  # handed to start()'s caller
+                    built["error"] = exc
+                    ready.set()
+                    return
+            ready.set()
+            self._run()
+
+        self._thread = threading.Thread(target=run, name=self._name, daemon=True)
         self._thread.start()
-        return self
+        if build is None:
+            return self
+        ready.wait()
+        if "error" in built:
+            self._thread.join()
+            self._thread = None
+            raise built["error"]
+        return built["result"]
 
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._cond:
@@ -188,7 +166,7 @@ class AsyncEngine:
         arrival_time = time.time() if arrival_time is None else arrival_time
         # counted from `arrival_time` on the monotonic clock, so a wall-clock jump neither expires nor extends it
         deadline = self.request_timeout and time.monotonic() + self.request_timeout - (time.time() - arrival_time)
-        streams = [_Stream(rid, loop, accepted=loop.create_future(), deadline=deadline) for rid in request_ids]
+        streams = [StreamQueue(rid, loop, accepted=loop.create_future(), deadline=deadline) for rid in request_ids]
         with self._cond:
             self._commands.extend(("add", st, prompt, params, arrival_time) for st, prompt in zip(streams, prompts))
             self._pending_adds += len(streams)

@@ -94,13 +94,18 @@ class FusedProduct:
         self._output: torch.Tensor | None = None
         self._unread = 0
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole product for a caller that reads every member's columns itself (layers/swiglu_mlp.py):
+        [..., in_features] -> [..., sum of the members' out_features], nothing held."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
     def read(self, x: torch.Tensor) -> torch.Tensor:
         """The fused product of x: [..., in_features] -> [..., sum of the members' out_features]. Recomputed
         unless x is the very tensor of the last product that still has unread members. (Identity, not a version
         counter: inference tensors have none. HF computes a layer's projections back to back from one tensor that
         nothing writes in between; the product holds x, so its id cannot be reused meanwhile.)"""
         if self._unread == 0 or x is not self._input:
-            self._output = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            self._output = self.product(x)
             self._input, self._unread = x, self.num_members
         output = self._output
         self._unread -= 1

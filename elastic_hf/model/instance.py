@@ -21,8 +21,11 @@ from elastic_hf.kv.migration_plan import head_range
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_attention import register_paged_attention
 from elastic_hf.layers.cpu_gemm import use_onednn_linears
+from elastic_hf.layers.native_norm import use_native_norms
 from elastic_hf.layers.packed_linear import packing_available
+from elastic_hf.layers.swiglu_mlp import use_swiglu_mlps
 from elastic_hf.memory import MemoryBudget, create_arena, default_page_size, device_total_bytes
+from elastic_hf.memory.host_malloc import tune_host_malloc
 from elastic_hf.model.loader import parse_dtype
 from elastic_hf.model.runner import ModelRunner
 from elastic_hf.patches import ArchAdapter, get_adapter
@@ -135,6 +138,8 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
 
     The budget is `memory_budget` when given, else the worker's TP1 weights + `kv_cache_memory` + the headroom."""
     device = loaded.device
+    if device.type == "cpu":
+        tune_host_malloc()   # activations reuse freed heap memory instead of faulting it in every step
     page_size = config.page_size or default_page_size(device)
     budget = MemoryBudget(_UNSIZED_BUDGET)
     weights = place_weights(budget, page_size)
@@ -149,6 +154,13 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     elif config.packed_weights == "on":
         raise ValueError("packed_weights='on' needs oneDNN's weight reorder (torch.ops.mkldnn) and "
                          "ELASTIC_HF_CPU_GEMM unset or 'onednn'")
+    # The elementwise work around the GEMMs in single native passes: every RMSNorm, and the MLPs whose gate/up
+    # were just fused (silu(gate) * up straight from their product).
+    adapter = loaded.adapter
+    num_norms = use_native_norms(adapter.norms(loaded.hf_model, loaded.layers), adapter.rms_norm_class)
+    num_mlps = use_swiglu_mlps(adapter.mlps(loaded.layers), getattr(loaded.hf_config, "hidden_act", None))
+    if num_norms or num_mlps:
+        log.info("%d RMSNorms and %d MLPs on native fused kernels", num_norms, num_mlps)
     tp1_bytes = weights.shard_bytes(1, 0)
     if config.memory_budget is None:
         total = tp1_bytes + config.kv_bytes_per_worker + headroom_bytes

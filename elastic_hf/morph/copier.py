@@ -1,10 +1,14 @@
 """Asynchronous host -> arena copies for layer swaps, so a swap never blocks the decode loop.
 
-CPU: one copy thread (torch's copy_ releases the GIL, so it runs beside the forward pass on the other core).
+CPU: one copy thread running a plain memmove (ctypes releases the GIL, so it runs beside the forward pass). Not
+torch's copy_: that splits a large copy over OpenMP threads, and a second thread opening parallel regions gives the
+process a second OpenMP pool, more OpenMP threads than cores, and libgomp's throttled spinning for every region of
+the engine thread's forward passes too (see engine/async_engine.py).
 CUDA: a side stream plus an event per copy (MorphServe Appendix C: morphing and decoding on separate streams);
 the pinned source makes the copy a true DMA that overlaps compute."""
 from __future__ import annotations
 
+import ctypes
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -48,9 +52,12 @@ class CpuCopier:
 
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+        if not (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype == torch.uint8
+                and dst.numel() == src.numel()):
+            raise ValueError(f"swap copies take two contiguous uint8 tensors of one size, got {dst.dtype} "
+                             f"{tuple(dst.shape)} and {src.dtype} {tuple(src.shape)}")
         started = time.perf_counter()
-        with torch.no_grad():
-            dst.copy_(src)
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
         return time.perf_counter() - started
 
     def submit(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:

@@ -32,7 +32,8 @@ CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-std=
 # Per-library additions. paged_decode: -funsafe-math-optimizations lets its exp polynomial and reductions vectorise
 # (~1.7x); unlike -ffast-math it keeps infinities and NaNs meaningful.
 EXTRA_CFLAGS = {"paged_decode": ("-funsafe-math-optimizations",),
-                "causal_prefill": ("-funsafe-math-optimizations", "-mprefer-vector-width=512")}
+                "causal_prefill": ("-funsafe-math-optimizations", "-mprefer-vector-width=512"),
+                "fused_elementwise": ("-funsafe-math-optimizations", "-mprefer-vector-width=512")}
 
 
 def native_enabled() -> bool:

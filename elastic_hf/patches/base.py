@@ -23,7 +23,10 @@ class ArchAdapter:
     final_norm: str = "model.norm"
     embed_tokens: str = "model.embed_tokens"
     lm_head: str = "lm_head"
+    mlp: str = "mlp"
     has_qkv_bias: bool = False
+    # HF's class of the norms, when its forward is LlamaRMSNorm's formula (layers/native_norm.py runs it natively)
+    rms_norm_class: str = "LlamaRMSNorm"
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.layers_path)
@@ -36,6 +39,19 @@ class ArchAdapter:
         """Per decoder layer, the linears HF calls back to back on one input: (q, k, v) and (gate, up)."""
         return [[layer.get_submodule(name) for name in names] for layer in layers
                 for names in ((self.q_proj, self.k_proj, self.v_proj), (self.gate_proj, self.up_proj))]
+
+    def norms(self, model: nn.Module, layers: nn.ModuleList) -> list[nn.Module]:
+        """Every RMSNorm the forward runs: each layer's two and the final one (a pipeline stage's model may lack
+        the final one)."""
+        norms = [layer.get_submodule(name) for layer in layers for name in (self.input_norm, self.post_attention_norm)]
+        try:
+            norms.append(model.get_submodule(self.final_norm))
+        except AttributeError:
+            pass
+        return norms
+
+    def mlps(self, layers: nn.ModuleList) -> list[nn.Module]:
+        return [layer.get_submodule(self.mlp) for layer in layers]
 
     def head_counts(self, config) -> tuple[int, int, int]:
         """(num_attention_heads, num_key_value_heads, head_dim)."""

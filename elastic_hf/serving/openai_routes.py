@@ -9,7 +9,8 @@ import json
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from elastic_hf.engine.async_engine import AsyncEngine, RequestStream
+from elastic_hf.engine.async_engine import AsyncEngine
+from elastic_hf.engine.request_stream import RequestStream
 from elastic_hf.engine.errors import EngineError
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.serving import protocol as p

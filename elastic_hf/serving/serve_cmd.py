@@ -178,11 +178,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout:g}")
         if args.request_timeout is not None and not args.request_timeout > 0:
             raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
-        model = ElasticModel.from_config(engine_config(args))
+        config = engine_config(args)
+        async_engine = AsyncEngine(request_timeout=args.request_timeout)
+        # built on the engine thread: the thread that steps the model is the only one with an OpenMP pool
+        model = async_engine.start(build=lambda: ElasticModel.from_config(config))
     except (ValueError, OSError) as exc:  # bad flag values or a missing model: a message, not a traceback
         print(f"elastic-hf serve: error: {exc}", file=sys.stderr)
         return 2
-    async_engine = AsyncEngine(model.engine, request_timeout=args.request_timeout).start()
     app = build_app(async_engine, api_key=api_key, model_id=args.served_model_name or model.model_id,
                     max_body_bytes=args.max_body_bytes)
     app.include_router(admin_morph_router(model, async_engine, admin_key))

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from elastic_hf.engine.async_engine import RequestStream
+from elastic_hf.engine.request_stream import RequestStream
 from elastic_hf.engine.errors import EngineError
 from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.serving import protocol as p

@@ -177,3 +177,50 @@ def test_wake_rechecks_engine_work(engine):
     while fake.requests and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not fake.requests
+
+
+class _Built:
+    """What `start(build=...)` expects back: an object with the engine under `.engine` (as ElasticModel)."""
+
+    def __init__(self, engine, built_on: str):
+        self.engine = engine
+        self.built_on = built_on
+
+
+def test_build_runs_on_the_engine_thread_that_steps():
+    """The model is built on the thread that steps it, so one thread owns all of the data plane's OpenMP work."""
+    import threading
+
+    step_threads: set[str] = set()
+
+    class RecordingEngine(FakeEngine):
+        def step(self):
+            step_threads.add(threading.current_thread().name)
+            return super().step()
+
+    async_engine = AsyncEngine(name="engine-owner")
+    built = async_engine.start(build=lambda: _Built(RecordingEngine(), threading.current_thread().name))
+    try:
+        assert built.built_on == "engine-owner"
+        assert async_engine.engine is built.engine
+        outs = asyncio.run(_collect(async_engine, "hi", 3))
+        assert outs[-1].finished
+        assert step_threads == {"engine-owner"}
+        assert async_engine.stats()["num_step_errors"] == 0
+    finally:
+        async_engine.shutdown()
+
+
+def test_failed_build_raises_in_the_caller_and_leaves_no_thread():
+    import threading
+
+    def build():
+        raise OSError("no checkpoint at /nowhere")
+
+    async_engine = AsyncEngine(name="doomed-engine")
+    with pytest.raises(OSError, match="/nowhere"):
+        async_engine.start(build=build)
+    assert not async_engine.is_running
+    assert "doomed-engine" not in {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="no engine"):
+        async_engine.start()

@@ -1,0 +1,52 @@
+"""The MLP of a Llama-family layer as one fused GEMM, one native pass and one GEMM, as vLLM's LlamaMLP runs it
+(MergedColumnParallelLinear, SiluAndMul, RowParallelLinear): gate and up already share one packed product
+(packed_linear.FusedProduct); silu(gate) * up is taken from it in a single pass (native/fused_elementwise.c)
+instead of eager torch's silu over the strided gate half, then a product that reads the gate again with the up
+half. HF's MLP forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` with act_fn = SiLU; the switched module
+computes exactly that, rounding where torch rounds (bf16: the activation, then the product)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from elastic_hf.layers.packed_linear import FusedMemberLinear
+from elastic_hf.native.fused_elementwise import native_elementwise_available, silu_and_mul
+
+SILU_NAMES = ("silu", "swish")
+# what HF's ACT2FN gives for them (transformers 5: its own SiLUActivation, F.silu inside), or torch's module
+SILU_MODULES = ("SiLUActivation", "SiLU")
+
+
+class SwiGLUMLP(nn.Module):
+    """A switched HF MLP; `eager_class` is the class it was."""
+
+    gate_proj: FusedMemberLinear
+    up_proj: FusedMemberLinear
+    down_proj: nn.Module
+    eager_class: type
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_proj.fused.product(x)           # [..., 2 * intermediate] = [gate | up]
+        return self.down_proj(silu_and_mul(gate_up))        # [..., intermediate] -> [..., hidden]
+
+
+def swiglu_fusable(mlp: nn.Module, hidden_act: str | None) -> bool:
+    """An HF MLP whose gate and up are the two members, in that order, of one fused product, with SiLU between."""
+    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+    if not (isinstance(gate, FusedMemberLinear) and isinstance(up, FusedMemberLinear)):
+        return False
+    return (hidden_act in SILU_NAMES and type(getattr(mlp, "act_fn", None)).__name__ in SILU_MODULES
+            and gate.fused is up.fused and gate.fused.num_members == 2 and gate.column_start == 0
+            and up.column_start == gate.out_features == up.out_features
+            and native_elementwise_available(gate.fused.packed_weight.dtype, torch.device("cpu")))
+
+
+def use_swiglu_mlps(mlps: list[nn.Module], hidden_act: str | None) -> int:
+    """Switch every fusable MLP in place (same module, same children). Returns how many."""
+    switched = 0
+    for mlp in mlps:
+        if swiglu_fusable(mlp, hidden_act):
+            mlp.eager_class = type(mlp)
+            mlp.__class__ = SwiGLUMLP
+            switched += 1
+    return switched

@@ -1,0 +1,121 @@
+/* The elementwise work of a Llama-family decoder layer in one pass each, for fp32 and bf16 rows:
+ *
+ *   RMSNorm (HF's LlamaRMSNorm): h = x in fp32, h * 1/sqrt(mean(h^2) + eps), rounded to x's dtype, times the weight
+ *     (the product rounded to the weight's dtype). Eager torch spends 5-7 ops and as many passes over the rows.
+ *   SwiGLU: silu(gate) * up over the [rows, 2 * inter] product of the fused gate/up GEMM, gate the first half of
+ *     each row; silu rounded to the dtype before the product, as torch's two ops do. Eager torch reads the
+ *     strided gate half once for silu and again for the product.
+ *
+ * bf16 arithmetic follows torch's CPU kernels: widen to fp32 exactly, compute in fp32, round to nearest even. The
+ * sum of squares is taken in another order than torch's reduction, so fp32 results can differ in the last bit.
+ *
+ * Rows are spread over OpenMP threads (torch's runtime, see build.py) only when the work is large enough to pay
+ * for waking them: a decode step's few rows run on the calling thread. */
+#include <math.h>
+#include <stdint.h>
+
+#include "fast_exp.h"
+
+#define PARALLEL_MIN_ELEMENTS 32768 /* torch's grain size for elementwise kernels */
+
+static inline float bf16_to_f32(uint16_t v)
+{
+    union { uint32_t i; float f; } u = { .i = (uint32_t)v << 16 };
+    return u.f;
+}
+
+static inline uint16_t f32_to_bf16(float f)
+{
+    union { float f; uint32_t i; } u = { .f = f };
+    if ((u.i & 0x7fffffffu) > 0x7f800000u)  /* NaN stays NaN (quiet) */
+        return (uint16_t)((u.i >> 16) | 0x0040u);
+    u.i += 0x7fffu + ((u.i >> 16) & 1u);    /* round to nearest even */
+    return (uint16_t)(u.i >> 16);
+}
+
+#pragma omp declare simd
+static inline float silu(float g)
+{
+    return g / (1.0f + exp_any(-g));
+}
+
+/* ------------------------------------------------------------------ RMSNorm */
+static inline float inverse_rms_f32(const float *x, int64_t dim, float eps)
+{
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < dim; j++)
+        sum += x[j] * x[j];
+    return 1.0f / sqrtf(sum / (float)dim + eps);
+}
+
+int elastic_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out, int64_t out_stride,
+                         int64_t rows, int64_t dim, float eps, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *xi = x + i * x_stride;
+        float *oi = out + i * out_stride;
+        const float inv = inverse_rms_f32(xi, dim, eps);
+#pragma omp simd
+        for (int64_t j = 0; j < dim; j++)
+            oi[j] = weight[j] * (xi[j] * inv);
+    }
+    return 0;
+}
+
+int elastic_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight, uint16_t *out,
+                          int64_t out_stride, int64_t rows, int64_t dim, float eps, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *xi = x + i * x_stride;
+        uint16_t *oi = out + i * out_stride;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < dim; j++) {
+            const float v = bf16_to_f32(xi[j]);
+            sum += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+        for (int64_t j = 0; j < dim; j++) {
+            const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xi[j]) * inv)); /* .to(input_dtype) */
+            oi[j] = f32_to_bf16(bf16_to_f32(weight[j]) * normed);
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ SwiGLU */
+int elastic_silu_mul_f32(const float *restrict gate_up, int64_t in_stride, float *restrict out, int64_t out_stride, int64_t rows,
+                         int64_t inter, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * inter >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *restrict gate = gate_up + i * in_stride;
+        const float *restrict up = gate + inter;
+        float *restrict oi = out + i * out_stride;
+#pragma omp simd
+        for (int64_t j = 0; j < inter; j++)
+            oi[j] = silu(gate[j]) * up[j];
+    }
+    return 0;
+}
+
+int elastic_silu_mul_bf16(const uint16_t *restrict gate_up, int64_t in_stride, uint16_t *restrict out, int64_t out_stride,
+                          int64_t rows, int64_t inter, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * inter >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *restrict gate = gate_up + i * in_stride;
+        const uint16_t *restrict up = gate + inter;
+        uint16_t *restrict oi = out + i * out_stride;
+#pragma omp simd
+        for (int64_t j = 0; j < inter; j++) {
+            const float activated = bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(gate[j]))));
+            oi[j] = f32_to_bf16(activated * bf16_to_f32(up[j]));
+        }
+    }
+    return 0;
+}
