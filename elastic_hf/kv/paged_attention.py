@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_hf.kv.paged_batch import PagedBatch
-from elastic_hf.native.causal_prefill import causal_prefill_attention, native_prefill_available
+from elastic_hf.native.causal_prefill import causal_prefill_attention_batch, native_prefill_available
 from elastic_hf.native.paged_decode import native_decode_available, paged_decode_attention
 
 ATTN_IMPLEMENTATION = "elastic_paged"
@@ -36,8 +36,16 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     rows.index_copy_(0, write_rows + v_offset, value[0].transpose(0, 1).reshape(-1, head_dim))
 
     out = query.new_empty(paged_batch.num_tokens, num_heads, head_dim)  # [T, num_heads, head_dim]
-    native_prefill = native_prefill_available(query.dtype, query.device)
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    native = native_prefill_available(query.dtype, query.device)
+    # causal without a window on the CPU: all of them in one call of the C kernel (2-3x SDPA's flash kernel at a few
+    # hundred tokens); a sliding window's mask goes to SDPA
+    batched = [p for p in paged_batch.prefills if native and not p.windowed]
+    if batched:
+        _native_prefills(batched, query, key, value, rows, layer_offset, v_offset, out, scale)
     for p in paged_batch.prefills:
+        if p in batched:
+            continue
         q = query[:, :, p.q_start:p.q_start + p.q_len]                    # [1, num_heads, q_len, hd]
         if p.k_rows is None:  # the whole context is in this step: attend to it directly
             k = key[:, :, p.q_start:p.q_start + p.q_len]                  # [1, kv_heads, ctx, hd]
@@ -46,12 +54,6 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             k_rows = p.k_rows + layer_offset
             k = rows.index_select(0, k_rows).view(1, num_kv_heads, p.ctx_len, head_dim)
             v = rows.index_select(0, k_rows + v_offset).view(1, num_kv_heads, p.ctx_len, head_dim)
-        if native_prefill and not p.windowed:
-            # causal without a window on the CPU: the C kernel, 2-3x SDPA's flash kernel at a few hundred tokens
-            causal_prefill_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                     out[p.q_start:p.q_start + p.q_len],
-                                     scaling if scaling is not None else head_dim ** -0.5)
-            continue
         # Prefills keep the batch dim: with 4-D inputs SDPA takes its fused CPU kernel, 2-3x faster than with 3-D.
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scaling,
                                            enable_gqa=True)
@@ -62,7 +64,6 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return out.unsqueeze(0), None
     rows_slice = slice(d.first_row, d.first_row + d.num_seqs)
     q = query[0, :, rows_slice].transpose(0, 1)                     # [B, num_heads, hd]
-    scale = scaling if scaling is not None else head_dim ** -0.5
     layer_chunk_offset = local_layer * layout.chunks_per_layer
     if query.dtype == pool.chunks.dtype and native_decode_available(query.dtype, query.device):
         # fp32 or bf16 on the CPU: the C kernel reads every decode's K/V in place from its pages.
@@ -75,6 +76,38 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         out[rows_slice] = decode_attention(q, context[:, :, 0], context[:, :, 1], d.score_bias, scale)
     return out.unsqueeze(0), None
 
+
+def _native_prefills(prefills: list, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor,
+                     layer_offset: int, v_offset: int, out: torch.Tensor, scale: float) -> None:
+    """The step's prefill chunks through the C kernel in one call. bf16 widens once for all of them (the kernel
+    computes in fp32); a chunk that continues a cached context reads its K/V gathered from the pages."""
+    widen = query.dtype != torch.float32
+    first = min(p.q_start for p in prefills)
+    end = max(p.q_start + p.q_len for p in prefills)
+    # [end - first, heads, hd] token-major views of HF's [1, heads, T, hd] projections, over the prefills' rows
+    q_all, k_all, v_all = (t[0, :, first:end].transpose(0, 1) for t in (query, key, value))
+    if widen:
+        q_all, k_all, v_all = q_all.float(), k_all.float(), v_all.float()
+    out_all = torch.empty(out[first:end].shape, dtype=torch.float32) if widen else out[first:end]
+    num_kv_heads, head_dim = k_all.shape[1], k_all.shape[2]
+    queries, keys, values, outs = [], [], [], []
+    for p in prefills:
+        span = slice(p.q_start - first, p.q_start - first + p.q_len)
+        if p.k_rows is None:  # the whole context is in this step
+            k, v = k_all[span], v_all[span]                                     # [ctx, kv_heads, hd]
+        else:
+            k_rows = p.k_rows + layer_offset
+            k = rows.index_select(0, k_rows).view(num_kv_heads, p.ctx_len, head_dim).transpose(0, 1)
+            v = rows.index_select(0, k_rows + v_offset).view(num_kv_heads, p.ctx_len, head_dim).transpose(0, 1)
+            if widen:
+                k, v = k.float(), v.float()
+        queries.append(q_all[span])
+        keys.append(k)
+        values.append(v)
+        outs.append(out_all[span])
+    causal_prefill_attention_batch(queries, keys, values, outs, scale)
+    if widen:   # rows of a windowed prefill in between are written after this, by SDPA
+        out[first:end] = out_all
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_bias: torch.Tensor | None,
                      scale: float) -> torch.Tensor:
@@ -103,6 +136,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_bi
 def paged_mask(*args, **kwargs):
     """Causality and sequence boundaries live in the PagedBatch; no dense mask is ever built."""
     return None
+
+
+def load_native_attention(dtype: torch.dtype, device: torch.device) -> bool:
+    """Compile (once per machine) or load the C attention kernels for `dtype` now, at build time, rather than inside
+    the first request's step. True when both are there."""
+    return native_prefill_available(dtype, device) and native_decode_available(dtype, device)
 
 
 def register_paged_attention() -> str:

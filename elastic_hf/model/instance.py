@@ -19,7 +19,7 @@ from elastic_hf.config import EngineConfig
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.migration_plan import head_range
 from elastic_hf.kv.page_pool import KVPagePool
-from elastic_hf.kv.paged_attention import register_paged_attention
+from elastic_hf.kv.paged_attention import load_native_attention, register_paged_attention
 from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.layers.native_norm import use_native_norms
 from elastic_hf.layers.packed_linear import packing_available
@@ -140,6 +140,7 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     device = loaded.device
     if device.type == "cpu":
         tune_host_malloc()   # activations reuse freed heap memory instead of faulting it in every step
+        load_native_attention(loaded.dtype, device)
     page_size = config.page_size or default_page_size(device)
     budget = MemoryBudget(_UNSIZED_BUDGET)
     weights = place_weights(budget, page_size)

@@ -1,13 +1,15 @@
 """The native causal prefill kernel (elastic_hf/native/causal_prefill.c) against SDPA on the same q/k/v: whole
 prompts and chunks at the end of a longer context, lengths that are not multiples of its key / query blocks, the
 head sizes it specialises (64, 128) and generic ones, several GQA groups, strided views of one packed projection
-(as HF hands them over), fp32 and bf16."""
+(as HF hands them over), fp32 and bf16; and a whole step's chunks in one call (the batch entry point), each with its
+own lengths and strides, giving every sequence its own result."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from elastic_hf.native import build
-from elastic_hf.native.causal_prefill import causal_prefill_attention, native_prefill_available
+from elastic_hf.native.causal_prefill import (causal_prefill_attention, causal_prefill_attention_batch,
+                                             native_prefill_available)
 
 pytestmark = pytest.mark.skipif(not build.native_enabled() or build._compiler() is None,
                                 reason="no C compiler here (or ELASTIC_HF_NATIVE=0)")
@@ -52,3 +54,35 @@ def test_heads_that_do_not_divide_and_more_queries_than_keys_fail_clearly():
         causal_prefill_attention(q, torch.randn(4, 4, 16), torch.randn(4, 4, 16), out, 0.25)
     with pytest.raises(ValueError, match=r"q \(4, 6, 16\), k \(3, 2, 16\)"):
         causal_prefill_attention(q, torch.randn(3, 2, 16), torch.randn(3, 2, 16), out, 0.25)
+
+
+def test_one_call_for_a_step_of_chunks_gives_each_its_own_result():
+    """Whole prompts (views of one packed step projection) and chunks continuing a cached context (K/V gathered
+    into tensors of their own strides), of lengths around the kernel's blocks, in one call."""
+    torch.manual_seed(7)
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    lengths = [(1, 1), (16, 16), (37, 37), (5, 70), (33, 200), (1, 50), (120, 120)]   # (q_len, ctx)
+    total = sum(q_len for q_len, _ in lengths)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    packed = torch.randn(total, width)                                # the step's q|k|v projection
+    q_all = packed[:, :num_heads * head_dim].view(total, num_heads, head_dim)
+    k_all = packed[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(total, num_kv_heads, head_dim)
+    v_all = packed[:, (num_heads + num_kv_heads) * head_dim:].view(total, num_kv_heads, head_dim)
+    out_all = torch.full((total, num_heads, head_dim), float("nan"))
+    queries, keys, values, outs, start = [], [], [], [], 0
+    for q_len, ctx in lengths:
+        queries.append(q_all[start:start + q_len])
+        outs.append(out_all[start:start + q_len])
+        if q_len == ctx:
+            keys.append(k_all[start:start + q_len])
+            values.append(v_all[start:start + q_len])
+        else:   # a cached context, head-major as gathered from the pages
+            keys.append(torch.randn(num_kv_heads, ctx, head_dim).transpose(0, 1))
+            values.append(torch.randn(num_kv_heads, ctx, head_dim).transpose(0, 1))
+        start += q_len
+    causal_prefill_attention_batch(queries, keys, values, outs, head_dim ** -0.5)
+    for q, k, v, out in zip(queries, keys, values, outs):
+        torch.testing.assert_close(out, reference(q, k, v, head_dim ** -0.5), **TOLERANCES[torch.float32])
+    with pytest.raises(ValueError, match="fp32"):
+        causal_prefill_attention_batch([queries[0].bfloat16()], [keys[0].bfloat16()], [values[0].bfloat16()],
+                                       [outs[0].bfloat16()], 0.125)
