@@ -44,8 +44,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if batched:
         _native_prefills(batched, query, key, value, rows, layer_offset, v_offset, out, scale)
     for p in paged_batch.prefills:
-        if p in batched:
-            continue
+        if native and not p.windowed:
+            continue   # done in the batch above
         q = query[:, :, p.q_start:p.q_start + p.q_len]                    # [1, num_heads, q_len, hd]
         if p.k_rows is None:  # the whole context is in this step: attend to it directly
             k = key[:, :, p.q_start:p.q_start + p.q_len]                  # [1, kv_heads, ctx, hd]
@@ -108,6 +108,7 @@ def _native_prefills(prefills: list, query: torch.Tensor, key: torch.Tensor, val
     causal_prefill_attention_batch(queries, keys, values, outs, scale)
     if widen:   # rows of a windowed prefill in between are written after this, by SDPA
         out[first:end] = out_all
+
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_bias: torch.Tensor | None,
                      scale: float) -> torch.Tensor:
