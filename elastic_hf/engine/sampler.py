@@ -14,6 +14,7 @@ from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
 
 from elastic_hf.engine.outputs import TokenLogprob
 from elastic_hf.engine.sequence import Sequence
+from elastic_hf.native.argmax import argmax_rows
 
 
 @dataclass(slots=True)
@@ -58,9 +59,9 @@ def sample(logits: torch.Tensor, seqs: list) -> tuple[list[int | None], dict[int
     read is `sampler_state` and, for a penalty, `token_ids`). Returns one token id per sequence, and the rows whose
     sampling raised (NaN logits, a failing logits processor) with their exception: their token is None and only
     their request fails; the other rows of the batch are unaffected."""
-    # max(dim).indices is argmax (the first maximum; NaN counts as the maximum) at half the cost of torch's CPU
-    # argmax kernel: 0.39 vs 0.80 ms for a batch-32 step over 49k logits
-    tokens: list[int | None] = logits.max(dim=-1).indices.tolist()
+    # torch's argmax semantics (the first maximum; NaN counts as the maximum) on the native kernel: 0.15 ms for a
+    # batch-32 step over 49k logits, against 0.45 ms for max(dim).indices and 0.80 for torch's CPU argmax
+    tokens: list[int | None] = argmax_rows(logits)
     failures: dict[int, Exception] = {}
     for row, seq in enumerate(seqs):
         state: SeqSamplerState = seq.sampler_state

@@ -22,6 +22,7 @@ from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_attention import load_native_attention, register_paged_attention
 from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.layers.native_norm import use_native_norms
+from elastic_hf.layers.native_rotary import use_native_rotary
 from elastic_hf.layers.packed_linear import packing_available
 from elastic_hf.layers.swiglu_mlp import use_swiglu_mlps
 from elastic_hf.memory import MemoryBudget, create_arena, default_page_size, device_total_bytes
@@ -155,13 +156,16 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     elif config.packed_weights == "on":
         raise ValueError("packed_weights='on' needs oneDNN's weight reorder (torch.ops.mkldnn) and "
                          "ELASTIC_HF_CPU_GEMM unset or 'onednn'")
-    # The elementwise work around the GEMMs in single native passes: every RMSNorm, and the MLPs whose gate/up
-    # were just fused (silu(gate) * up straight from their product).
+    # The elementwise work around the GEMMs in single native passes: every RMSNorm, the MLPs whose gate/up were
+    # just fused (silu(gate) * up straight from their product), and the rotary embedding of q and k.
     adapter = loaded.adapter
     num_norms = use_native_norms(adapter.norms(loaded.hf_model, loaded.layers), adapter.rms_norm_class)
     num_mlps = use_swiglu_mlps(adapter.mlps(loaded.layers), getattr(loaded.hf_config, "hidden_act", None))
-    if num_norms or num_mlps:
-        log.info("%d RMSNorms and %d MLPs on native fused kernels", num_norms, num_mlps)
+    rotary = adapter.rotary_function is not None and use_native_rotary(adapter.modeling_module,
+                                                                       adapter.rotary_function)
+    if num_norms or num_mlps or rotary:
+        log.info("%d RMSNorms and %d MLPs on native fused kernels; rotary embedding %s", num_norms, num_mlps,
+                 "native" if rotary else "eager")
     tp1_bytes = weights.shard_bytes(1, 0)
     if config.memory_budget is None:
         total = tp1_bytes + config.kv_bytes_per_worker + headroom_bytes

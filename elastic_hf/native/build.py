@@ -33,7 +33,9 @@ CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-std=
 # (~1.7x); unlike -ffast-math it keeps infinities and NaNs meaningful.
 EXTRA_CFLAGS = {"paged_decode": ("-funsafe-math-optimizations",),
                 "causal_prefill": ("-funsafe-math-optimizations", "-mprefer-vector-width=512"),
-                "fused_elementwise": ("-funsafe-math-optimizations", "-mprefer-vector-width=512")}
+                "fused_elementwise": ("-funsafe-math-optimizations", "-mprefer-vector-width=512"),
+                # rotary must equal eager torch bit for bit: no FMA contraction, no fast-math
+                "rotary": ("-ffp-contract=off", "-mprefer-vector-width=512")}
 
 
 def native_enabled() -> bool:

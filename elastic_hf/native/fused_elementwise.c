@@ -14,24 +14,12 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #include "fast_exp.h"
 
 #define PARALLEL_MIN_ELEMENTS 32768 /* torch's grain size for elementwise kernels */
 
-static inline float bf16_to_f32(uint16_t v)
-{
-    union { uint32_t i; float f; } u = { .i = (uint32_t)v << 16 };
-    return u.f;
-}
-
-static inline uint16_t f32_to_bf16(float f)
-{
-    union { float f; uint32_t i; } u = { .f = f };
-    if ((u.i & 0x7fffffffu) > 0x7f800000u)  /* NaN stays NaN (quiet) */
-        return (uint16_t)((u.i >> 16) | 0x0040u);
-    u.i += 0x7fffu + ((u.i >> 16) & 1u);    /* round to nearest even */
-    return (uint16_t)(u.i >> 16);
-}
 
 #pragma omp declare simd
 static inline float silu(float g)

@@ -11,8 +11,8 @@ from elastic_hf.native.build import load_library
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
-# KV arena dtype -> exported entry point (queries and outputs cross the boundary as fp32 in both)
-_ENTRY_POINTS = {torch.float32: "elastic_paged_decode_f32", torch.bfloat16: "elastic_paged_decode_bf16kv"}
+# dtype of the queries, the KV arena and the outputs (one dtype for all three) -> exported entry point
+_ENTRY_POINTS = {torch.float32: "elastic_paged_decode_f32", torch.bfloat16: "elastic_paged_decode_bf16"}
 
 
 @cache
@@ -43,11 +43,9 @@ def paged_decode_attention(q: torch.Tensor, kv_chunks: torch.Tensor, chunk_table
     ctx_lens:    [S] int64, contiguous, each in [1, max_blocks * block_size]
     out:         [S, num_heads, head_dim] in the KV dtype, head and head_dim contiguous
 
-    With bf16 K/V the kernel still takes fp32 queries and writes fp32 outputs (it computes in fp32), so q is
-    widened and the result narrowed here: [S, num_heads, head_dim] each, small next to the K/V it reads."""
+    bf16 goes in and out as bf16 (the kernel computes in fp32 and rounds the output once): no widening copies.
+    This runs once per layer per step, so it checks only what the kernel cannot survive."""
     num_seqs, num_heads, head_dim = q.shape
-    block_size = kv_chunks.shape[1]
-    max_blocks = chunk_table.numel() // max(1, num_seqs * num_kv_heads * 2)
     kernel = _kernel(kv_chunks.dtype)
     if kernel is None:
         raise ValueError(f"no native decode kernel for {kv_chunks.dtype} K/V (fp32 and bf16 have one)")
@@ -55,25 +53,20 @@ def paged_decode_attention(q: torch.Tensor, kv_chunks: torch.Tensor, chunk_table
         raise ValueError(f"q ({q.dtype}) and out ({out.dtype}) must have the K/V dtype {kv_chunks.dtype}")
     if out.stride(2) != 1 or out.stride(1) != head_dim:
         raise ValueError(f"out must have contiguous heads, got strides {tuple(out.stride())}")
-    result = out
-    if kv_chunks.dtype != torch.float32:
-        q = q.float()
-        out = torch.empty(out.shape, dtype=torch.float32)
-    elif q.stride(2) != 1:
+    if q.stride(2) != 1:
         q = q.contiguous()
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    max_blocks = chunk_table.numel() // max(1, num_seqs * num_kv_heads * 2)
     if chunk_table.numel() != num_seqs * num_kv_heads * 2 * max_blocks or ctx_lens.numel() != num_seqs:
         raise ValueError(f"chunk_table has {chunk_table.numel()} ids and ctx_lens {ctx_lens.numel()} entries for "
                          f"{num_seqs} sequences x {num_kv_heads} kv heads")
     status = kernel(q.data_ptr(), q.stride(0), q.stride(1), kv_chunks.data_ptr(), chunk_table.data_ptr(),
                     layer_chunk_offset, ctx_lens.data_ptr(), out.data_ptr(), out.stride(0),
-                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
+                    num_seqs, num_heads, num_kv_heads, head_dim, kv_chunks.shape[1], max_blocks, scale,
                     torch.get_num_threads())
     if status == -2:
         raise ValueError(f"the native decode kernel takes head_dim <= 1024, got {head_dim}")
     if status != 0:
         raise MemoryError(f"paged decode attention could not allocate its score buffer "
-                          f"({max_blocks * block_size} floats per thread)")
-    if out is not result:
-        result.copy_(out)
+                          f"({4 * (max_blocks * kv_chunks.shape[1] + 17)} floats per thread)")

@@ -27,6 +27,15 @@ class ArchAdapter:
     has_qkv_bias: bool = False
     # HF's class of the norms, when its forward is LlamaRMSNorm's formula (layers/native_norm.py runs it natively)
     rms_norm_class: str = "LlamaRMSNorm"
+    # the function of HF's modeling module that applies Llama's rotary formula to q and k (layers/native_rotary.py
+    # runs it natively), or None where the architecture's rotary differs
+    rotary_function: str | None = "apply_rotary_pos_emb"
+
+    @property
+    def modeling_module(self) -> str:
+        """HF's modeling module of the architecture, e.g. transformers.models.llama.modeling_llama."""
+        name = self.model_types[0]
+        return f"transformers.models.{name}.modeling_{name}"
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.layers_path)

@@ -153,3 +153,26 @@ def test_prompt_too_long_names_both_numbers(tiny):
     with pytest.raises(ValueError, match="prompt is empty"):
         model.generate([[]], max_tokens=1)
     assert model.engine.stats()["num_requests"] == 0  # nothing left behind
+
+
+def test_greedy_argmax_has_torchs_semantics():
+    """The native row argmax greedy rows take: the first maximum, the first NaN where a row has one, 0 for a row
+    of -inf, strided rows, and torch's own answer for what the kernel does not take (bf16)."""
+    import torch
+
+    from elastic_hf.native.argmax import argmax_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(40, 49152)
+    logits[1, 17] = logits[1, 30000] = 1e4                       # ties: the first
+    logits[2, 40000] = float("nan")
+    logits[2, 41000] = float("nan")
+    logits[2, 5] = float("inf")                                   # NaN beats inf
+    logits[3] = float("-inf")
+    logits[4, -1] = 50.0                                          # the last column
+    expected = logits.max(dim=-1).indices.tolist()
+    assert expected[1] == 17 and expected[2] == 40000 and expected[3] == 0 and expected[4] == 49151
+    assert argmax_rows(logits) == expected
+    assert argmax_rows(logits[::3]) == expected[::3]               # rows at a stride
+    assert argmax_rows(logits[:6, :1000]) == logits[:6, :1000].max(dim=-1).indices.tolist()   # part of each row
+    assert argmax_rows(logits[5:9].bfloat16()) == logits[5:9].bfloat16().max(dim=-1).indices.tolist()

@@ -14,16 +14,22 @@ pytestmark = pytest.mark.skipif(not build.native_enabled() or build._compiler() 
                                 reason="no C compiler here (or ELASTIC_HF_NATIVE=0)")
 
 
-# bf16: the kernel widens K/V and q exactly and computes in fp32, so the only error is the output's bf16 rounding
+# bf16: the kernel computes in fp32 on the exact bf16 values (products of two bf16 are exact in fp32), so the only
+# error is the output's bf16 rounding
 TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (24, 4, 4), (64, 8, 1)])
-def test_kernel_matches_sdpa(head_dim, num_heads, num_kv_heads, dtype):
+# head_dim 64 / 128 with blocks of 16 or 32 take the AVX-512 path where the CPU has it (query heads in passes of
+# up to 4 / 2: groups 3, 4, 7, 8 cover one pass, two full ones and a short last one); 24 and blocks of 8 the
+# portable one
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,block", [
+    (64, 9, 3, 16), (128, 8, 2, 16), (24, 4, 4, 16), (64, 8, 1, 16), (64, 14, 2, 32), (128, 6, 2, 32),
+    (64, 9, 3, 8)])
+def test_kernel_matches_sdpa(head_dim, num_heads, num_kv_heads, block, dtype):
     assert native_decode_available(dtype, torch.device("cpu"))
     torch.manual_seed(head_dim + num_heads)
-    block, num_seqs, chunks_per_block, layer = 16, 5, 3 * num_kv_heads * 2, 2
+    num_seqs, chunks_per_block, layer = 5, 3 * num_kv_heads * 2, 2
     lens = torch.tensor([1, 16, 17, 40, 63])                       # inside a block, exactly one, one past
     max_blocks = -(-int(lens.max()) // block)
     kv_chunks = torch.randn(200 * chunks_per_block, block, head_dim).to(dtype)
@@ -31,6 +37,12 @@ def test_kernel_matches_sdpa(head_dim, num_heads, num_kv_heads, dtype):
     head_kv = torch.arange(num_kv_heads * 2).view(num_kv_heads, 2)
     table = (blocks[:, None, None, :] * chunks_per_block + head_kv[None, :, :, None]).flatten()
     layer_offset = layer * num_kv_heads * 2
+    # page rows past each context hold NaN (a fresh page can hold anything): the kernel must not let them in
+    per_seq = (table + layer_offset).view(num_seqs, num_kv_heads * 2, max_blocks)
+    for s, n in enumerate(lens.tolist()):
+        kv_chunks[per_seq[s, :, n // block]] = torch.where(torch.arange(block)[:, None] < n % block,
+                                                           kv_chunks[per_seq[s, :, n // block]], float("nan"))
+        kv_chunks[per_seq[s, :, n // block + 1:].flatten()] = float("nan")
     # the query as HF hands it over: [1, heads, T, hd] transposed from [T, heads, hd], decodes at rows 3..7
     packed = torch.randn(1, 3 + num_seqs + 2, num_heads, head_dim).to(dtype).transpose(1, 2)
     q = packed[0, :, 3:3 + num_seqs].transpose(0, 1)                    # [S, heads, hd], non-contiguous
