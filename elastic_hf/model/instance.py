@@ -27,6 +27,7 @@ from elastic_hf.layers.packed_linear import packing_available
 from elastic_hf.layers.swiglu_mlp import use_swiglu_mlps
 from elastic_hf.memory import MemoryBudget, create_arena, default_page_size, device_total_bytes
 from elastic_hf.memory.host_malloc import tune_host_malloc
+from elastic_hf.native.argmax import native_argmax_available
 from elastic_hf.model.loader import parse_dtype
 from elastic_hf.model.runner import ModelRunner
 from elastic_hf.patches import ArchAdapter, get_adapter
@@ -142,6 +143,7 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     if device.type == "cpu":
         tune_host_malloc()   # activations reuse freed heap memory instead of faulting it in every step
         load_native_attention(loaded.dtype, device)
+        native_argmax_available()   # greedy sampling's kernel, built now rather than in the first step
     page_size = config.page_size or default_page_size(device)
     budget = MemoryBudget(_UNSIZED_BUDGET)
     weights = place_weights(budget, page_size)

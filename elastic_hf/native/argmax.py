@@ -23,6 +23,12 @@ def _kernel():
     return fn
 
 
+def native_argmax_available() -> bool:
+    """Compiles (once per machine) or loads the kernel; the instance build calls it so that this happens before the
+    first request's step, not inside it."""
+    return _kernel() is not None
+
+
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The argmax of every row of `logits` [rows, vocab], as torch's `logits.max(dim=-1).indices.tolist()` gives
     it; the native kernel for contiguous-row fp32 CPU tensors, torch otherwise."""
