@@ -118,6 +118,9 @@ class EngineConfig:
     # float32 | bfloat16 | float16 (aliases fp32, bf16, fp16, torch dtypes) | auto (resolved here: see auto_dtype)
     dtype: str = "float32"
     device: str = "cpu"                  # cpu | cuda (worker i of a deployment uses cuda:i)
+    # CUDA: decode-only steps replay captured CUDA graphs (model/cuda_graphs.py) unless this is set (vLLM's name).
+    # Graphs run for single-worker deployments; worker processes step eagerly.
+    enforce_eager: bool = False
     # -- memory, per worker
     memory_budget: int | float | str | None = None   # bytes, "2GiB", or a fraction of the device ("0.5")
     kv_cache_memory: int | str | None = None         # KV bytes when memory_budget is None (default 1 GiB)

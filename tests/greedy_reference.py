@@ -33,3 +33,33 @@ def mixed_prompts(tokenizer, num_prompts: int, min_len: int, max_len: int, seed:
         start = rng.randint(0, len(ids) - length - 1)
         prompts.append(ids[start:start + length])
     return prompts
+
+
+# The tolerance policy for bf16 near-ties (tests/model/test_bf16.py states it).
+TIE_MARGIN = 0.25   # logit units: 4 bf16 ulps at |logit| in [8, 16), where the default model's top logits lie
+
+
+@torch.inference_mode()
+def hf_greedy_with_logits(model, prompt: list[int], max_new: int,
+                          device: str = "cpu") -> tuple[list[int], list[torch.Tensor]]:
+    """HF generate's greedy tokens and the logits of each step, the reference of the bf16 near-tie policy."""
+    ids = torch.tensor([prompt], device=device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [step[0].float().cpu() for step in out.logits]
+
+
+def assert_greedy_equal_up_to_ties(tokens: list[int], reference: list[int], logits: list[torch.Tensor]) -> bool:
+    """True when equal throughout; False when they part at a near-tie (allowed); fails otherwise."""
+    for i, (got, want) in enumerate(zip(tokens, reference)):
+        if got == want:
+            continue
+        top2 = logits[i].topk(2).values
+        margin = float(top2[0] - top2[1])
+        gap = float(logits[i][want] - logits[i][got])
+        assert gap <= TIE_MARGIN, (f"token {i}: engine chose {got}, HF {want}; HF's logit gap between them is "
+                                   f"{gap:.3f} (top-2 margin {margin:.3f}), more than a bf16 near-tie "
+                                   f"({TIE_MARGIN})")
+        return False
+    assert len(tokens) == len(reference), f"{len(tokens)} tokens, HF made {len(reference)}"
+    return True

@@ -44,8 +44,23 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, bias_std: float = 0.2, **o
     return model.eval().requires_grad_(False)
 
 
-def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
-    """Save tiny_hf_model(arch, seed, **overrides) with the default model's tokenizer to out_dir (once)."""
+def minimal_tokenizer(vocab_size: int):
+    """A word-level tokenizer over `vocab_size` made-up words ("<unk>", "<s>", "</s>", "w3", ...): for checkpoints on
+    machines without the default model (a GPU machine), where tests feed token ids and only need the tokenizer to
+    exist and decode."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+
+
+def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0, tokenizer: str = "default", **overrides) -> Path:
+    """Save tiny_hf_model(arch, seed, **overrides) with a tokenizer to out_dir (once): the default model's, or
+    (tokenizer="minimal") minimal_tokenizer, which needs no default model."""
     from transformers import AutoTokenizer
 
     from elastic_hf.model.loader import resolve_model
@@ -57,6 +72,9 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0, **overrides) 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir).save_pretrained(tmp)
+    if tokenizer == "minimal":
+        minimal_tokenizer(model.config.vocab_size).save_pretrained(tmp)
+    else:
+        AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir).save_pretrained(tmp)
     tmp.rename(out_dir)
     return out_dir

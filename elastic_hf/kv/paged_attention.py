@@ -1,6 +1,9 @@
 """The paged attention function, registered with transformers' AttentionInterface so the HF model's own forward
-runs unchanged and calls us for every attention layer. A matching mask function is registered with
-AttentionMaskInterface: it returns None, so HF never builds a dense [T, T] mask for the packed batch."""
+runs unchanged and calls us for every attention layer. No mask function is registered with AttentionMaskInterface on
+purpose: for an attention implementation without one, HF's mask preparation returns None at once. With one, it first
+looks for packed sequences in the position ids, which ends in a `bool(tensor)`: a device sync every step on a GPU, and
+an error inside CUDA graph capture. Causality and sequence boundaries live in the PagedBatch; no dense mask is ever
+built."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +12,8 @@ import torch.nn.functional as F
 from elastic_hf.kv.paged_batch import PagedBatch
 from elastic_hf.native.causal_prefill import causal_prefill_attention_batch, native_prefill_available
 from elastic_hf.native.paged_decode import native_decode_available, paged_decode_attention
+from elastic_hf.native.triton_paged import (paged_decode_attention_triton, paged_kv_write,
+                                            triton_paged_available)
 
 ATTN_IMPLEMENTATION = "elastic_paged"
 
@@ -31,9 +36,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     num_heads = query.shape[1]
 
     # Write the new tokens' K/V into their pages.
-    write_rows = paged_batch.write_k_rows + layer_offset
-    rows.index_copy_(0, write_rows, key[0].transpose(0, 1).reshape(-1, head_dim))              # [T*kv_heads, hd]
-    rows.index_copy_(0, write_rows + v_offset, value[0].transpose(0, 1).reshape(-1, head_dim))
+    gpu_kernels = triton_paged_available(rows.device)
+    if gpu_kernels:   # one launch for K and V, reading HF's strided projections; skips a captured batch's padding
+        paged_kv_write(rows, paged_batch.write_k_rows, layer_offset, v_offset, key, value)
+    else:
+        write_rows = paged_batch.write_k_rows + layer_offset
+        rows.index_copy_(0, write_rows, key[0].transpose(0, 1).reshape(-1, head_dim))          # [T*kv_heads, hd]
+        rows.index_copy_(0, write_rows + v_offset, value[0].transpose(0, 1).reshape(-1, head_dim))
 
     out = query.new_empty(paged_batch.num_tokens, num_heads, head_dim)  # [T, num_heads, head_dim]
     scale = scaling if scaling is not None else head_dim ** -0.5
@@ -69,6 +78,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # fp32 or bf16 on the CPU: the C kernel reads every decode's K/V in place from its pages.
         paged_decode_attention(q, pool.chunks, d.chunk_ids, layer_chunk_offset, d.lens, out[rows_slice],
                                num_kv_heads, scale)
+    elif gpu_kernels and query.dtype == pool.chunks.dtype:
+        # on the GPU the Triton kernel reads the pages in place, sized by device tensors: CUDA-graph safe
+        paged_decode_attention_triton(q, pool.chunks, d.chunk_ids, layer_chunk_offset, d.lens, out[rows_slice],
+                                      num_kv_heads, scale)
     else:
         # One gather of whole [block_size, head_dim] slabs brings every decode's K and V of this layer.
         context = pool.chunks.index_select(0, d.chunk_ids + layer_chunk_offset).view(
@@ -134,11 +147,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_bi
     return torch.bmm(probs, vb).view(batch, num_heads, head_dim)
 
 
-def paged_mask(*args, **kwargs):
-    """Causality and sequence boundaries live in the PagedBatch; no dense mask is ever built."""
-    return None
-
-
 def load_native_attention(dtype: torch.dtype, device: torch.device) -> bool:
     """Compile (once per machine) or load the C attention kernels for `dtype` now, at build time, rather than inside
     the first request's step. True when both are there."""
@@ -146,8 +154,7 @@ def load_native_attention(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def register_paged_attention() -> str:
-    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_mask)
     return ATTN_IMPLEMENTATION

@@ -28,6 +28,7 @@ from elastic_hf.layers.swiglu_mlp import use_swiglu_mlps
 from elastic_hf.memory import MemoryBudget, create_arena, default_page_size, device_total_bytes
 from elastic_hf.memory.host_malloc import tune_host_malloc
 from elastic_hf.native.argmax import native_argmax_available
+from elastic_hf.native.triton_paged import triton_paged_available
 from elastic_hf.model.loader import parse_dtype
 from elastic_hf.model.runner import ModelRunner
 from elastic_hf.patches import ArchAdapter, get_adapter
@@ -174,6 +175,14 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     else:
         total = parse_memory_budget(config.memory_budget, device_total_bytes(device))
     runner = ModelRunner(loaded.hf_model, None, getattr(loaded.hf_config, "sliding_window", None))
+    if device.type == "cuda" and not config.enforce_eager:
+        if config.num_workers > 1:
+            log.info("CUDA graphs are off in a deployment of %d worker processes: their steps run eagerly",
+                     config.num_workers)
+        elif not triton_paged_available(device):
+            log.warning("CUDA graphs need Triton's paged KV kernels (pip install triton): decode steps run eagerly")
+        else:
+            runner.use_cuda_graphs(loaded.layers, config.max_num_seqs)
     instance = ModelInstance(loaded, weights, budget, page_size, config.block_size, headroom_bytes, runner)
     block_bytes = instance.kv_layout(1, 0).block_bytes
     kv_bytes = total - tp1_bytes - headroom_bytes

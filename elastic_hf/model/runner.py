@@ -12,6 +12,7 @@ from torch import nn
 
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_batch import build_paged_batch, is_batched_decode
+from elastic_hf.model.cuda_graphs import DecodeGraphs
 from elastic_hf.model.stage import StageSpec, StageView
 
 
@@ -23,6 +24,11 @@ class ModelRunner:
         self.sliding_window = sliding_window
         self.device = next(model.parameters()).device
         self.stage_view: StageView | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def use_cuda_graphs(self, layers: nn.ModuleList, max_batch: int) -> None:
+        """Replay decode-only steps of up to `max_batch` sequences as CUDA graphs (model/cuda_graphs.py)."""
+        self.decode_graphs = DecodeGraphs(self.model, layers, max_batch, self.device)
 
     @property
     def stage(self) -> StageSpec | None:
@@ -63,6 +69,13 @@ class ModelRunner:
         batch = build_paged_batch(
             self.pool, [(inputs[i].num_computed, len(inputs[i].token_ids), inputs[i].block_ids) for i in order],
             self.sliding_window)
+        graphs = self.decode_graphs
+        if (graphs is not None and stage is None and batch.decodes is not None
+                and batch.decodes.num_seqs == len(inputs) and graphs.fits(len(inputs))
+                and len(logit_rows) == len(inputs)):
+            # decodes only, each sampling once: one graph replay ([num_seqs, vocab] in packed order)
+            logits = graphs.run(self.pool, input_ids, positions, batch)
+            return self._callers_order(logits, logit_owner)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)   # [1, T]
         if stage is None or stage.is_first:
             tokens = {"input_ids": torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0)}  # [1, T]
@@ -79,9 +92,12 @@ class ModelRunner:
         # sorted() is stable: the rows of one input stay in position order when they go back to the callers' order.
         keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         out = self.model(**tokens, position_ids=pos, use_cache=False, logits_to_keep=keep, paged_batch=batch)
-        logits = out.logits[0].float()  # [num_sampling_seqs, vocab] in packed order
+        return self._callers_order(out.logits[0].float(), logit_owner)   # [num_sampling_seqs, vocab]
+
+    @staticmethod
+    def _callers_order(logits: torch.Tensor, logit_owner: list[int]) -> torch.Tensor:
+        """Rows in packed order -> rows in the callers' order: row r belongs to inputs[logit_owner[r]]."""
         if logit_owner != sorted(logit_owner):
-            # Back to the callers' order: row r belongs to inputs[logit_owner[r]], so sort rows by owner.
             back = sorted(range(len(logit_owner)), key=logit_owner.__getitem__)
             logits = logits.index_select(0, torch.tensor(back, device=logits.device))
         return logits

@@ -40,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
                         help="weight and KV dtype; auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or amx_bf16, "
                              "float32 otherwise (default: float32)" + _OWN_DEFAULT)
+    parser.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                        help="where the model runs; cuda: worker i on GPU i (default: cpu)" + _OWN_DEFAULT)
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="on CUDA, run every step eagerly instead of replaying captured decode graphs "
+                             "(default: off)" + _OWN_DEFAULT)
     parser.add_argument("--packed-weights", default=None, choices=("auto", "on", "off"),
                         help="CPU linears on oneDNN prepacked weights (same memory, bf16 bit-identical, ~1.2x "
                              "throughput on the default model); auto: on for one worker without --morph "
@@ -152,7 +157,8 @@ def engine_config(args: argparse.Namespace):
                                                        "max_num_batched_tokens", "memory_budget", "kv_cache_memory",
                                                        "max_model_len", "router", "block_size", "max_stop_strings",
                                                        "max_stop_string_chars", "max_queued_requests",
-                                                       "overload", "cost_profile", "packed_weights")
+                                                       "overload", "cost_profile", "packed_weights", "device",
+                                                       "enforce_eager")
                if getattr(args, name) is not None}
     return EngineConfig(model=args.model, num_workers=args.workers, topology=topology,
                         tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)

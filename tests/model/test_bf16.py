@@ -14,34 +14,9 @@ import torch
 
 from elastic_hf import ElasticModel
 from elastic_hf.model.loader import load_hf_model
-from greedy_reference import mixed_prompts
+from greedy_reference import assert_greedy_equal_up_to_ties, hf_greedy_with_logits, mixed_prompts
 
-TIE_MARGIN = 0.25   # logit units: 4 bf16 ulps at |logit| in [8, 16), where the default model's top logits lie
 MAX_NEW = 12
-
-
-@torch.inference_mode()
-def hf_greedy_with_logits(model, prompt: list[int], max_new: int) -> tuple[list[int], list[torch.Tensor]]:
-    ids = torch.tensor([prompt])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                         do_sample=False, output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
-
-
-def assert_greedy_equal_up_to_ties(tokens: list[int], reference: list[int], logits: list[torch.Tensor]) -> bool:
-    """True when equal throughout; False when they part at a near-tie (allowed); fails otherwise."""
-    for i, (got, want) in enumerate(zip(tokens, reference)):
-        if got == want:
-            continue
-        top2 = logits[i].topk(2).values
-        margin = float(top2[0] - top2[1])
-        gap = float(logits[i][want] - logits[i][got])
-        assert gap <= TIE_MARGIN, (f"token {i}: engine chose {got}, HF {want}; HF's logit gap between them is "
-                                   f"{gap:.3f} (top-2 margin {margin:.3f}), more than a bf16 near-tie "
-                                   f"({TIE_MARGIN})")
-        return False
-    assert len(tokens) == len(reference), f"{len(tokens)} tokens, HF made {len(reference)}"
-    return True
 
 
 @pytest.mark.slow

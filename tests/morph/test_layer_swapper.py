@@ -149,11 +149,16 @@ def test_images_hold_the_variant_and_modules_view_the_arena(model):
 
 
 @pytest.mark.gpu
-def test_cuda_swaps_copy_from_pinned_host_on_a_side_stream(tiny_checkpoint):
+def test_cuda_swaps_copy_from_pinned_host_on_a_side_stream(tmp_path):
     from elastic_hf import ElasticModel
     from elastic_hf.morph.copier import CudaCopier
+    from tiny_models import build_tiny_checkpoint
 
-    model = ElasticModel.from_pretrained(tiny_checkpoint("llama"), device="cuda", kv_cache_memory=8 << 20,
+    # the minimal tokenizer: a GPU machine need not have the default model. Layers of ~13 MiB: a CUDA arena maps
+    # 2 MiB pages, and a swap to w4 must give whole pages back.
+    checkpoint = build_tiny_checkpoint("llama", tmp_path / "llama", tokenizer="minimal", hidden_size=512,
+                                       intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4)
+    model = ElasticModel.from_pretrained(checkpoint, device="cuda", kv_cache_memory=8 << 20,
                                          morph="manual", morph_options={"use_cache": False})
     original = snapshot(model)
     swapper = model.worker.morph.swapper

@@ -18,7 +18,7 @@ SERVE_FLAGS = ["--host", "--port", "--memory-budget", "--max-model-len", "--dtyp
                "--workers", "--tp", "--tp-policy", "--router", "--kv-cache-memory", "--morph", "--morph-profile",
                "--topology", "--tensor-parallel-size", "--kv-cache-memory-bytes", "--gpu-memory-utilization",
                "--block-size", "--max-stop-strings", "--max-stop-string-chars", "--seed", "--chat-template",
-               "--shutdown-timeout", "--request-timeout"]
+               "--shutdown-timeout", "--request-timeout", "--device", "--enforce-eager"]
 
 
 def _cli() -> list[str]:
