@@ -40,12 +40,32 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class PrefillGroup:
+    """On a GPU, the step's fresh prefills (whole context in this step, no window) attended in one SDPA call over
+    their packed rows, a block-diagonal causal mask keeping each sequence to itself: one call a layer instead of one
+    per sequence, whose launches and slicing cost more than the attention at these sizes. Not on the CPU, whose C
+    kernel takes the prefills without a mask."""
+    rows: torch.Tensor                 # [fresh tokens] int64: their rows in the packed batch
+    mask: torch.Tensor                 # [1, 1, fresh tokens, fresh tokens] bool: same sequence and causal
+
+
+@dataclass(slots=True)
 class PagedBatch:
     pool: KVPagePool
     write_k_rows: torch.Tensor         # [num_tokens * kv_heads] K rows of the new tokens (layer 0), token-major
     prefills: list[PrefillSlice]
     decodes: DecodeGroup | None
     num_tokens: int
+    prefill_group: PrefillGroup | None = None
+
+
+def _prefill_group(fresh: list[PrefillSlice], device: torch.device) -> PrefillGroup:
+    lengths = torch.tensor([p.q_len for p in fresh])
+    rows = torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in fresh])             # [Tf]
+    seq = torch.repeat_interleave(torch.arange(len(fresh)), lengths).to(device, non_blocking=True)   # [Tf]
+    pos = torch.cat([torch.arange(p.q_len) for p in fresh]).to(device, non_blocking=True)      # [Tf]
+    mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])                       # [Tf, Tf]
+    return PrefillGroup(rows.to(device, non_blocking=True), mask[None, None])
 
 
 def _k_rows(pool: KVPagePool, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -132,7 +152,11 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
             raise ValueError(f"decodes must be contiguous in the packed batch, got rows {decode_rows[:8]}...")
         decodes = _decode_group(pool, decode_rows[0], decode_tables, decode_lens)
     device = pool.rows.device
+    prefill_group = None
     if device.type != "cpu":
+        fresh = [p for p in prefills if p.k_rows is None and not p.windowed]
+        if len(fresh) > 1:   # a lone prefill keeps SDPA's causal (flash) kernel, which needs no mask
+            prefill_group = _prefill_group(fresh, device)
         write_k_rows = write_k_rows.to(device, non_blocking=True)
         for p in prefills:
             p.k_rows = None if p.k_rows is None else p.k_rows.to(device, non_blocking=True)
@@ -142,4 +166,4 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
             decodes.lens = decodes.lens.to(device, non_blocking=True)
             if decodes.score_bias is not None:
                 decodes.score_bias = decodes.score_bias.to(device, non_blocking=True)
-    return PagedBatch(pool, write_k_rows, prefills, decodes, row)
+    return PagedBatch(pool, write_k_rows, prefills, decodes, row, prefill_group)

@@ -118,3 +118,13 @@ def test_context_longer_than_the_table_widens_it(checkpoint, monkeypatch):
         captures = graphs.num_captures
         assert _greedy(model, long) == want[3:]           # outgrows it: a wider table, graphs captured again
         assert graphs.table_blocks >= 8 and graphs.num_captures > captures
+
+
+def test_chunked_and_windowed_prefills_match_hf(tmp_path):
+    """Mistral (a 24-token sliding window) with a 64-token step budget: fresh prefills share one masked SDPA call,
+    chunks of longer prompts continue cached contexts, windowed ones attend alone (and keep their steps eager)."""
+    checkpoint = build_tiny_checkpoint("mistral", tmp_path / "mistral", tokenizer="minimal", num_hidden_layers=3)
+    prompts = _prompts(6, 5, 150, seed=5)
+    want = _hf_greedy(checkpoint, torch.float32, prompts, MAX_NEW)
+    with _load(checkpoint, dtype="float32", max_num_batched_tokens=64) as model:
+        assert _greedy(model, prompts) == want
