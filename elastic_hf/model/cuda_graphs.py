@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 MIN_TABLE_BLOCKS = 64   # first width of the chunk table (1,024 tokens at block_size 16); doubled on demand
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing a decode graph failed (an op that syncs or is not capturable); the runner goes eager."""
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """Padded batch sizes that get a graph: 1, 2, 4, 8, 16, 24, ... up to max_batch (vLLM's ladder)."""
     sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch + 8, 8))
@@ -99,9 +103,12 @@ class DecodeGraphs:
             forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the morph copy thread may issue its own copies on a side stream meanwhile
-        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-            logits = forward()
+        try:
+            # thread_local: the morph copy thread may issue its own copies on a side stream meanwhile
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+                logits = forward()
+        except Exception as exc:   # the forward ran with padding only: no KV page was written
+            raise GraphCaptureError(f"batch {size}: {type(exc).__name__}: {exc}") from exc
         self.graphs[size] = (graph, logits)
         self.num_captures += 1
         self.capture_seconds += time.perf_counter() - start
@@ -137,4 +144,5 @@ class DecodeGraphs:
         graph, logits = self.graphs[size]
         graph.replay()
         self.num_replays += 1
-        return logits[:num_seqs]
+        # a copy: the next replay overwrites the static output, and callers may keep logits (log-probabilities)
+        return logits[:num_seqs].clone()

@@ -7,13 +7,18 @@ On a pipeline stage (model/stage.py) the runner runs only the stage's layers: a 
 stage's hidden states instead of token ids, and every stage but the last returns hidden states instead of logits."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_batch import build_paged_batch, is_batched_decode
-from elastic_hf.model.cuda_graphs import DecodeGraphs
+from elastic_hf.model.cuda_graphs import DecodeGraphs, GraphCaptureError
 from elastic_hf.model.stage import StageSpec, StageView
+
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -74,8 +79,13 @@ class ModelRunner:
                 and batch.decodes.num_seqs == len(inputs) and graphs.fits(len(inputs))
                 and len(logit_rows) == len(inputs)):
             # decodes only, each sampling once: one graph replay ([num_seqs, vocab] in packed order)
-            logits = graphs.run(self.pool, input_ids, positions, batch)
-            return self._callers_order(logits, logit_owner)
+            try:
+                logits = graphs.run(self.pool, input_ids, positions, batch)
+            except GraphCaptureError as exc:
+                log.warning("CUDA graph capture failed (%s): decode steps run eagerly from now on", exc)
+                self.decode_graphs = None
+            else:
+                return self._callers_order(logits, logit_owner)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)   # [1, T]
         if stage is None or stage.is_first:
             tokens = {"input_ids": torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0)}  # [1, T]

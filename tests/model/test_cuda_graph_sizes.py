@@ -18,3 +18,33 @@ def test_cpu_models_step_without_graphs(tiny_checkpoint):
 
     with ElasticModel.from_pretrained(tiny_checkpoint("llama"), kv_cache_memory=4 << 20) as model:
         assert model.worker.instance.runner.decode_graphs is None
+
+
+def test_a_failed_capture_leaves_the_model_eager_with_the_same_tokens(tiny_checkpoint, caplog):
+    """The runner's fallback, driven on the CPU by a graphs object whose capture fails: the step runs eagerly, graphs
+    stay off afterwards with one warning, and the tokens are the eager ones."""
+    from elastic_hf import ElasticModel
+    from elastic_hf.model.cuda_graphs import GraphCaptureError
+
+    class FailingGraphs:
+        calls = 0
+
+        def fits(self, num_seqs):
+            return True
+
+        def run(self, *args):
+            FailingGraphs.calls += 1
+            raise GraphCaptureError("batch 4: RuntimeError: operation not permitted when stream is capturing")
+
+    prompts = [[5, 6, 7], [8, 9, 10, 11], list(range(20, 40)), [3]]
+    with ElasticModel.from_pretrained(tiny_checkpoint("llama"), kv_cache_memory=4 << 20) as model:
+        want = [o.outputs[0].token_ids for o in model.generate(prompts, max_tokens=6, ignore_eos=True)]
+        runner = model.worker.instance.runner
+        runner.decode_graphs = FailingGraphs()
+        with caplog.at_level("WARNING", logger="elastic_hf.model.runner"):
+            got = [o.outputs[0].token_ids for o in model.generate(prompts, max_tokens=6, ignore_eos=True)]
+    assert got == want
+    assert FailingGraphs.calls == 1 and runner.decode_graphs is None
+    assert [r.message for r in caplog.records].count(
+        "CUDA graph capture failed (batch 4: RuntimeError: operation not permitted when stream is capturing): "
+        "decode steps run eagerly from now on") == 1
