@@ -36,7 +36,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     num_heads = query.shape[1]
 
     # Write the new tokens' K/V into their pages.
-    gpu_kernels = triton_paged_available(rows.device)
+    gpu_kernels = triton_paged_available(rows.device, head_dim, layout.block_size)
     if gpu_kernels:   # one launch for K and V, reading HF's strided projections; skips a captured batch's padding
         paged_kv_write(rows, paged_batch.write_k_rows, layer_offset, v_offset, key, value)
     else:

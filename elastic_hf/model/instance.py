@@ -179,8 +179,9 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
         if config.num_workers > 1:
             log.info("CUDA graphs are off in a deployment of %d worker processes: their steps run eagerly",
                      config.num_workers)
-        elif not triton_paged_available(device):
-            log.warning("CUDA graphs need Triton's paged KV kernels (pip install triton): decode steps run eagerly")
+        elif not triton_paged_available(device, loaded.head_dim, config.block_size):
+            log.warning("CUDA graphs need Triton's paged KV kernels (Triton installed; power-of-two head_dim and "
+                        "block_size, here %d and %d): decode steps run eagerly", loaded.head_dim, config.block_size)
         else:
             runner.use_cuda_graphs(loaded.layers, config.max_num_seqs)
     instance = ModelInstance(loaded, weights, budget, page_size, config.block_size, headroom_bytes, runner)

@@ -21,8 +21,11 @@ def _triton():
     return triton, tl
 
 
-def triton_paged_available(device: torch.device) -> bool:
-    return device.type == "cuda" and _triton() is not None
+def triton_paged_available(device: torch.device, head_dim: int, block_size: int) -> bool:
+    """The kernels run on CUDA with Triton, for power-of-two head_dim and block_size (their tile shapes); other
+    shapes take the torch path (index_copy_ writes, gathered SDPA decodes) and step without graphs."""
+    pow2 = not (head_dim & (head_dim - 1) or block_size & (block_size - 1))
+    return device.type == "cuda" and pow2 and _triton() is not None
 
 
 @cache

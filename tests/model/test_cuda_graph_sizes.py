@@ -1,5 +1,5 @@
-"""The CUDA-graph ladder of padded batch sizes and where graphs are switched on, checked without a GPU (the graphs
-themselves: tests/model/test_cuda_graphs.py, on CUDA)."""
+"""The CUDA-graph ladder of padded batch sizes, where graphs and the Triton kernels are switched on, and the fallback
+after a failed capture, checked without a GPU (the graphs themselves: tests/model/test_cuda_graphs.py, on CUDA)."""
 from elastic_hf.model.cuda_graphs import capture_sizes
 
 
@@ -48,3 +48,14 @@ def test_a_failed_capture_leaves_the_model_eager_with_the_same_tokens(tiny_check
     assert [r.message for r in caplog.records].count(
         "CUDA graph capture failed (batch 4: RuntimeError: operation not permitted when stream is capturing): "
         "decode steps run eagerly from now on") == 1
+
+
+def test_triton_kernels_only_for_cuda_and_power_of_two_tiles():
+    import torch
+
+    from elastic_hf.native.triton_paged import triton_paged_available
+
+    assert not triton_paged_available(torch.device("cpu"), 64, 16)
+    # head_dim 96 or 80 (Phi-style), block 24: the torch path, without graphs
+    assert not triton_paged_available(torch.device("cuda"), 96, 16)
+    assert not triton_paged_available(torch.device("cuda"), 64, 24)
