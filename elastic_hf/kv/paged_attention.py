@@ -52,13 +52,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     batched = [p for p in paged_batch.prefills if native and not p.windowed]
     if batched:
         _native_prefills(batched, query, key, value, rows, layer_offset, v_offset, out, scale)
-    group = paged_batch.prefill_group
-    if group is not None:   # on a GPU: every fresh prefill in one masked call
-        q, k, v = (t.index_select(2, group.rows) for t in (query, key, value))      # [1, heads, fresh, hd]
+    grouped = set()
+    for group in paged_batch.prefill_groups:   # on a GPU: short fresh prefills, one masked call a group
+        q, k, v = (t.index_select(2, group.rows) for t in (query, key, value))      # [1, heads, group, hd]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=True)
-        out.index_copy_(0, group.rows, o[0].transpose(0, 1))                          # [fresh, heads, hd]
+        out.index_copy_(0, group.rows, o[0].transpose(0, 1))                          # [group, heads, hd]
+        grouped.update(p.q_start for p in group.members)
     for p in paged_batch.prefills:
-        if not p.windowed and (native or (group is not None and p.k_rows is None)):
+        if (native and not p.windowed) or p.q_start in grouped:
             continue   # done in one call above
         q = query[:, :, p.q_start:p.q_start + p.q_len]                    # [1, num_heads, q_len, hd]
         if p.k_rows is None:  # the whole context is in this step: attend to it directly

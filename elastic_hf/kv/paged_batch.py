@@ -6,7 +6,7 @@ further, and layer l adds l * rows_per_layer. Row ids are computed here once per
 its offset."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,14 +39,19 @@ class DecodeGroup:
                                        # length); None when every sequence fills all ctx_len positions
 
 
+PREFILL_GROUP_TOKENS = 1024   # a group's mask and (on SDPA's math path) scores grow with the square of its tokens
+
+
 @dataclass(slots=True)
 class PrefillGroup:
-    """On a GPU, the step's fresh prefills (whole context in this step, no window) attended in one SDPA call over
-    their packed rows, a block-diagonal causal mask keeping each sequence to itself: one call a layer instead of one
-    per sequence, whose launches and slicing cost more than the attention at these sizes. Not on the CPU, whose C
-    kernel takes the prefills without a mask."""
-    rows: torch.Tensor                 # [fresh tokens] int64: their rows in the packed batch
-    mask: torch.Tensor                 # [1, 1, fresh tokens, fresh tokens] bool: same sequence and causal
+    """On a GPU, short fresh prefills (whole context in this step, no window) attended in one SDPA call over their
+    packed rows, a block-diagonal causal mask keeping each sequence to itself: one call a layer instead of one per
+    sequence, whose launches and slicing cost more than the attention at these sizes. At most PREFILL_GROUP_TOKENS
+    tokens a group; longer prompts attend alone through SDPA's causal kernel. Not on the CPU, whose C kernel takes
+    the prefills without a mask."""
+    rows: torch.Tensor                 # [group tokens] int64: their rows in the packed batch
+    mask: torch.Tensor                 # [1, 1, group tokens, group tokens] bool: same sequence and causal
+    members: list[PrefillSlice]
 
 
 @dataclass(slots=True)
@@ -56,16 +61,30 @@ class PagedBatch:
     prefills: list[PrefillSlice]
     decodes: DecodeGroup | None
     num_tokens: int
-    prefill_group: PrefillGroup | None = None
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)
 
 
-def _prefill_group(fresh: list[PrefillSlice], device: torch.device) -> PrefillGroup:
-    lengths = torch.tensor([p.q_len for p in fresh])
-    rows = torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in fresh])             # [Tf]
-    seq = torch.repeat_interleave(torch.arange(len(fresh)), lengths).to(device, non_blocking=True)   # [Tf]
-    pos = torch.cat([torch.arange(p.q_len) for p in fresh]).to(device, non_blocking=True)      # [Tf]
-    mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])                       # [Tf, Tf]
-    return PrefillGroup(rows.to(device, non_blocking=True), mask[None, None])
+def prefill_groups(prefills: list[PrefillSlice], device: torch.device,
+                   max_tokens: int = PREFILL_GROUP_TOKENS) -> list[PrefillGroup]:
+    """The fresh, unwindowed prefills packed greedily into groups of at most `max_tokens` tokens; a group needs
+    two members (a lone prefill is better off with SDPA's causal kernel, which takes no mask)."""
+    packs: list[list[PrefillSlice]] = [[]]
+    for p in prefills:
+        if p.k_rows is not None or p.windowed or p.q_len > max_tokens:
+            continue
+        if sum(m.q_len for m in packs[-1]) + p.q_len > max_tokens:
+            packs.append([])
+        packs[-1].append(p)
+    return [_prefill_group(members, device) for members in packs if len(members) > 1]
+
+
+def _prefill_group(members: list[PrefillSlice], device: torch.device) -> PrefillGroup:
+    lengths = torch.tensor([p.q_len for p in members])
+    rows = torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in members])           # [Tg]
+    seq = torch.repeat_interleave(torch.arange(len(members)), lengths).to(device, non_blocking=True)   # [Tg]
+    pos = torch.cat([torch.arange(p.q_len) for p in members]).to(device, non_blocking=True)    # [Tg]
+    mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])                       # [Tg, Tg]
+    return PrefillGroup(rows.to(device, non_blocking=True), mask[None, None], members)
 
 
 def _k_rows(pool: KVPagePool, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -152,11 +171,9 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
             raise ValueError(f"decodes must be contiguous in the packed batch, got rows {decode_rows[:8]}...")
         decodes = _decode_group(pool, decode_rows[0], decode_tables, decode_lens)
     device = pool.rows.device
-    prefill_group = None
+    groups = []
     if device.type != "cpu":
-        fresh = [p for p in prefills if p.k_rows is None and not p.windowed]
-        if len(fresh) > 1:   # a lone prefill keeps SDPA's causal (flash) kernel, which needs no mask
-            prefill_group = _prefill_group(fresh, device)
+        groups = prefill_groups(prefills, device)
         write_k_rows = write_k_rows.to(device, non_blocking=True)
         for p in prefills:
             p.k_rows = None if p.k_rows is None else p.k_rows.to(device, non_blocking=True)
@@ -166,4 +183,4 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
             decodes.lens = decodes.lens.to(device, non_blocking=True)
             if decodes.score_bias is not None:
                 decodes.score_bias = decodes.score_bias.to(device, non_blocking=True)
-    return PagedBatch(pool, write_k_rows, prefills, decodes, row, prefill_group)
+    return PagedBatch(pool, write_k_rows, prefills, decodes, row, groups)

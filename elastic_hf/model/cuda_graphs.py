@@ -10,7 +10,7 @@ Both kernels size their work from these device tensors (native/triton_paged.py),
 up to the table's width; a longer context widens the table (doubling) and recaptures.
 
 A graph holds the addresses of the weights and of the KV arena it was captured with. The layers' identities and the
-KV pool's are its signature: a precision swap replaces a layer module (morph/layer_swapper.py) and a new pool comes
+KV pool are its signature: a precision swap replaces a layer module (morph/layer_swapper.py) and a new pool comes
 with a new arena, and either drops every graph before the next replay. Steps with a prefill, a windowed sequence or
 prompt log-probabilities run eagerly."""
 from __future__ import annotations
@@ -48,8 +48,9 @@ class DecodeGraphs:
         self.device = device
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # size -> (graph, logits)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}   # padded batch size -> graph
         self.mempool = None
+        self.pool: KVPagePool | None = None     # the pool the graphs read (held: its identity is compared)
         self.signature: tuple | None = None
         self.table_blocks = 0
         self.num_captures = 0
@@ -60,8 +61,8 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch
 
-    def _signature(self, pool: KVPagePool) -> tuple:
-        return (id(pool), self.table_blocks, tuple(id(layer) for layer in self.layers))
+    def _signature(self) -> tuple:
+        return (self.table_blocks, tuple(id(layer) for layer in self.layers))
 
     def _reset(self, pool: KVPagePool, table_blocks: int) -> None:
         """Drop every graph and (re)make the static inputs for `pool` with a chunk table `table_blocks` wide."""
@@ -71,6 +72,8 @@ class DecodeGraphs:
         lo = pool.layout
         n, dev = self.max_batch, self.device
         self.table_blocks = table_blocks
+        self.pool = pool
+        vocab = self.model.get_output_embeddings().weight.shape[0]
         self.inputs = {
             "input_ids": torch.zeros(1, n, dtype=torch.long, device=dev),                   # [1, B]
             "positions": torch.zeros(1, n, dtype=torch.long, device=dev),                   # [1, B]
@@ -78,8 +81,10 @@ class DecodeGraphs:
             # [B, kv_heads, 2, table_blocks]: chunk ids (layer 0) of each context's K and V blocks
             "table": torch.zeros(n, lo.num_kv_heads, 2, table_blocks, dtype=torch.long, device=dev),
             "lens": torch.zeros(n, dtype=torch.long, device=dev),                           # [B]
+            # [B, vocab] fp32: one output for every graph (each graph's own would stay allocated with it)
+            "logits": torch.empty(n, vocab, dtype=torch.float32, device=dev),
         }
-        self.signature = self._signature(pool)
+        self.signature = self._signature()
 
     def _capture(self, pool: KVPagePool, size: int) -> None:
         b = self.inputs
@@ -88,28 +93,34 @@ class DecodeGraphs:
                            DecodeGroup(0, b["table"][:size].view(-1), size, self.table_blocks * lo.block_size,
                                        b["lens"][:size], None), size)
 
-        def forward() -> torch.Tensor:
+        def forward() -> None:
             out = self.model(input_ids=b["input_ids"][:, :size], position_ids=b["positions"][:, :size],
                              use_cache=False, logits_to_keep=0, paged_batch=batch)
-            return out.logits[0].float()                                              # [size, vocab]
+            b["logits"][:size].copy_(out.logits[0])                                   # [size, vocab] -> fp32
+
+        if pool.layout.dtype != self.model.get_input_embeddings().weight.dtype:
+            # the captured attention must be the Triton kernel (queries in the KV dtype); the torch path it would
+            # take otherwise reads the whole table width without a length mask
+            raise GraphCaptureError(f"KV dtype {pool.layout.dtype} differs from the model's "
+                                    f"{self.model.get_input_embeddings().weight.dtype}")
 
         # Buffers hold padding now (write rows -1, lengths 0): the warm-up and capture touch no KV page.
         b["write_rows"].fill_(-1)
         b["lens"].zero_()
         start = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):   # warm-up outside capture: lazy inits (cuBLAS handles, Triton compiles)
-            forward()
-        torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        try:
+        try:   # the forward runs with padding only: neither a failed warm-up nor a failed capture wrote a KV page
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):   # warm-up outside capture: lazy inits (cuBLAS handles, Triton compiles)
+                forward()
+            torch.cuda.current_stream(self.device).wait_stream(side)
             # thread_local: the morph copy thread may issue its own copies on a side stream meanwhile
             with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-                logits = forward()
-        except Exception as exc:   # the forward ran with padding only: no KV page was written
+                forward()
+        except Exception as exc:
             raise GraphCaptureError(f"batch {size}: {type(exc).__name__}: {exc}") from exc
-        self.graphs[size] = (graph, logits)
+        self.graphs[size] = graph
         self.num_captures += 1
         self.capture_seconds += time.perf_counter() - start
         log.debug("captured the decode graph of batch %d (table %d blocks) in %.0f ms", size, self.table_blocks,
@@ -122,7 +133,7 @@ class DecodeGraphs:
         num_seqs = d.num_seqs
         lo = pool.layout
         blocks = d.chunk_ids.numel() // (num_seqs * lo.num_kv_heads * 2)
-        if blocks > self.table_blocks or self.signature != self._signature(pool):
+        if blocks > self.table_blocks or pool is not self.pool or self.signature != self._signature():
             width = max(MIN_TABLE_BLOCKS, self.table_blocks)
             while width < blocks:
                 width *= 2
@@ -141,8 +152,7 @@ class DecodeGraphs:
         b["table"][:num_seqs, :, :, :blocks].copy_(d.chunk_ids.view(num_seqs, heads, 2, blocks))
         b["lens"][:num_seqs].copy_(d.lens)
         b["lens"][num_seqs:size].zero_()
-        graph, logits = self.graphs[size]
-        graph.replay()
+        self.graphs[size].replay()
         self.num_replays += 1
         # a copy: the next replay overwrites the static output, and callers may keep logits (log-probabilities)
-        return logits[:num_seqs].clone()
+        return b["logits"][:num_seqs].clone()

@@ -21,11 +21,15 @@ def _triton():
     return triton, tl
 
 
+def triton_tile_shapes_ok(head_dim: int, block_size: int) -> bool:
+    """The kernels' tiles are [block_size, head_dim]: Triton needs both powers of two."""
+    return head_dim > 0 and block_size > 0 and not (head_dim & (head_dim - 1) or block_size & (block_size - 1))
+
+
 def triton_paged_available(device: torch.device, head_dim: int, block_size: int) -> bool:
-    """The kernels run on CUDA with Triton, for power-of-two head_dim and block_size (their tile shapes); other
-    shapes take the torch path (index_copy_ writes, gathered SDPA decodes) and step without graphs."""
-    pow2 = not (head_dim & (head_dim - 1) or block_size & (block_size - 1))
-    return device.type == "cuda" and pow2 and _triton() is not None
+    """The kernels run on CUDA with Triton for triton_tile_shapes_ok shapes; other shapes take the torch path
+    (index_copy_ writes, gathered SDPA decodes) and step without graphs."""
+    return device.type == "cuda" and triton_tile_shapes_ok(head_dim, block_size) and _triton() is not None
 
 
 @cache

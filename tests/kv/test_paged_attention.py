@@ -1,7 +1,9 @@
 """The paged attention over the head-centric arena equals dense SDPA on the same K/V, for a packed batch that
 mixes a fresh prefill, a chunked-prefill continuation and decodes of different lengths. Both CPU paths are checked:
 the native kernels (causal prefill; decode in place from the pages) and the pure-torch ones (SDPA; chunk gather +
-bmm)."""
+bmm), and the GPU's grouping of short fresh prefills into masked SDPA calls (run here on the CPU's SDPA)."""
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ from elastic_hf.kv.block_allocator import BlockAllocator
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_attention import paged_attention_forward
-from elastic_hf.kv.paged_batch import build_paged_batch
+from elastic_hf.kv.paged_batch import build_paged_batch, prefill_groups
 from elastic_hf.memory import MemoryBudget, create_arena
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
@@ -123,3 +125,49 @@ def test_decodes_over_chunk_gather_match_sdpa_for_odd_head_dim_and_equal_lengths
     row = block * layout.rows_per_block + layer.layer_idx * layout.rows_per_layer + head * 2 * BLOCK + BLOCK
     assert torch.equal(pool.chunks[chunk], pool.rows[row:row + BLOCK])
     torch.testing.assert_close(pool.chunks[chunk][:n - BLOCK], v_full[1][head, BLOCK:])
+
+
+def test_grouped_fresh_prefills_match_dense_sdpa(monkeypatch):
+    """prefill_groups (built on GPUs) packs short fresh prefills into block-diagonal masked calls; forced here on the
+    CPU's torch path with a 16-token cap: [5, 7, 3] and [6, 9] group, the 20-token prompt attends alone, and a
+    chunk continuing a cached context and a decode in the same step are untouched by the groups."""
+    monkeypatch.setattr(paged_attention, "native_decode_available", lambda dtype, device: False)
+    monkeypatch.setattr(paged_attention, "native_prefill_available", lambda dtype, device: False)
+    torch.manual_seed(1)
+    pool, allocator = _pool(num_blocks=96)
+    layer = _Layer(0)
+    lengths = [4, 10, 5, 7, 3, 20, 6, 9]        # 0: decodes in step 2; 1: chunked 5 + 5; 2-7: fresh in step 2
+    k_full = [torch.randn(NUM_KV_HEADS, n, HEAD_DIM) for n in lengths]
+    v_full = [torch.randn(NUM_KV_HEADS, n, HEAD_DIM) for n in lengths]
+    q_full = [torch.randn(NUM_HEADS, n, HEAD_DIM) for n in lengths]
+    tables = [allocator.allocate(-(-n // BLOCK)) for n in lengths]
+
+    def step(chunks, group_cap=None):
+        meta = build_paged_batch(pool, [(s, e - s, tables[i]) for i, s, e in chunks])
+        if group_cap is not None:
+            meta.prefill_groups = prefill_groups(meta.prefills, torch.device("cpu"), max_tokens=group_cap)
+        q, k, v = (torch.cat([t[i][:, s:e] for i, s, e in chunks], dim=1).unsqueeze(0)
+                   for t in (q_full, k_full, v_full))
+        out, _ = paged_attention_forward(layer, q, k, v, None, scaling=HEAD_DIM ** -0.5, paged_batch=meta)
+        return out[0], meta
+
+    step([(0, 0, 3), (1, 0, 5)])
+    calls = []
+
+    def counting_sdpa(*args, **kwargs):
+        calls.append(kwargs.get("attn_mask") is not None)
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+    monkeypatch.setattr(paged_attention, "F", types.SimpleNamespace(scaled_dot_product_attention=counting_sdpa))
+    chunks = [(0, 3, 4), (1, 5, 10)] + [(i, 0, lengths[i]) for i in range(2, 8)]
+    out, meta = step(chunks, group_cap=16)
+    assert [[p.q_len for p in g.members] for g in meta.prefill_groups] == [[5, 7, 3], [6, 9]]
+    # per layer: two masked group calls, the continuation (masked) and the 20-token prompt (causal), not 7 calls
+    assert sorted(calls) == [False, True, True, True]
+    rows = 0
+    for i, s, e in chunks:
+        mask = torch.arange(e)[None, :] <= torch.arange(s, e)[:, None]
+        ref = F.scaled_dot_product_attention(q_full[i][:, s:e], k_full[i][:, :e], v_full[i][:, :e],
+                                             attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(out[rows:rows + e - s], ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
+        rows += e - s

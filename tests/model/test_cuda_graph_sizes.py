@@ -53,9 +53,10 @@ def test_a_failed_capture_leaves_the_model_eager_with_the_same_tokens(tiny_check
 def test_triton_kernels_only_for_cuda_and_power_of_two_tiles():
     import torch
 
-    from elastic_hf.native.triton_paged import triton_paged_available
+    from elastic_hf.native.triton_paged import triton_paged_available, triton_tile_shapes_ok
 
     assert not triton_paged_available(torch.device("cpu"), 64, 16)
+    assert triton_tile_shapes_ok(64, 16) and triton_tile_shapes_ok(128, 32) and triton_tile_shapes_ok(256, 1)
     # head_dim 96 or 80 (Phi-style), block 24: the torch path, without graphs
-    assert not triton_paged_available(torch.device("cuda"), 96, 16)
-    assert not triton_paged_available(torch.device("cuda"), 64, 24)
+    assert not triton_tile_shapes_ok(96, 16) and not triton_tile_shapes_ok(80, 16)
+    assert not triton_tile_shapes_ok(64, 24) and not triton_tile_shapes_ok(0, 16)

@@ -121,8 +121,9 @@ def test_context_longer_than_the_table_widens_it(checkpoint, monkeypatch):
 
 
 def test_chunked_and_windowed_prefills_match_hf(tmp_path):
-    """Mistral (a 24-token sliding window) with a 64-token step budget: fresh prefills share one masked SDPA call,
-    chunks of longer prompts continue cached contexts, windowed ones attend alone (and keep their steps eager)."""
+    """Mistral (a 24-token sliding window) with a 64-token step budget: chunks of longer prompts continue cached
+    contexts, windowed prefills and decodes attend with their own masks (and keep their steps eager), short fresh
+    ones may group (the grouping itself: tests/kv/test_paged_attention.py and the fp32 test above)."""
     checkpoint = build_tiny_checkpoint("mistral", tmp_path / "mistral", tokenizer="minimal", num_hidden_layers=3)
     prompts = _prompts(6, 5, 150, seed=5)
     want = _hf_greedy(checkpoint, torch.float32, prompts, MAX_NEW)
