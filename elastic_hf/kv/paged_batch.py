@@ -69,12 +69,15 @@ def prefill_groups(prefills: list[PrefillSlice], device: torch.device,
     """The fresh, unwindowed prefills packed greedily into groups of at most `max_tokens` tokens; a group needs
     two members (a lone prefill is better off with SDPA's causal kernel, which takes no mask)."""
     packs: list[list[PrefillSlice]] = [[]]
+    tokens = 0   # in packs[-1]
     for p in prefills:
         if p.k_rows is not None or p.windowed or p.q_len > max_tokens:
             continue
-        if sum(m.q_len for m in packs[-1]) + p.q_len > max_tokens:
+        if tokens + p.q_len > max_tokens:
             packs.append([])
+            tokens = 0
         packs[-1].append(p)
+        tokens += p.q_len
     return [_prefill_group(members, device) for members in packs if len(members) > 1]
 
 

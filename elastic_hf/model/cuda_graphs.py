@@ -62,7 +62,7 @@ class DecodeGraphs:
         return num_seqs <= self.max_batch
 
     def _signature(self) -> tuple:
-        return (self.table_blocks, tuple(id(layer) for layer in self.layers))
+        return tuple(id(layer) for layer in self.layers)
 
     def _reset(self, pool: KVPagePool, table_blocks: int) -> None:
         """Drop every graph and (re)make the static inputs for `pool` with a chunk table `table_blocks` wide."""

@@ -10,6 +10,8 @@ from functools import cache
 
 import torch
 
+from elastic_hf.units import ceil_div
+
 
 @cache
 def _triton():
@@ -122,10 +124,6 @@ def _kernels():
     return kv_write, decode, combine
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def paged_kv_write(rows: torch.Tensor, write_k_rows: torch.Tensor, layer_offset: int, v_offset: int,
                    key: torch.Tensor, value: torch.Tensor) -> None:
     """Write the new tokens' K and V into their pages.
@@ -159,7 +157,7 @@ def paged_decode_attention_triton(q: torch.Tensor, kv_chunks: torch.Tensor, chun
     block_size = kv_chunks.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if head_dim & (head_dim - 1) or block_size & (block_size - 1):
+    if not triton_tile_shapes_ok(head_dim, block_size):
         raise ValueError(f"the Triton decode kernel needs power-of-two head_dim and block_size, got {head_dim} "
                          f"and {block_size}")
     if q.stride(2) != 1:
@@ -167,10 +165,11 @@ def paged_decode_attention_triton(q: torch.Tensor, kv_chunks: torch.Tensor, chun
     max_blocks = chunk_table.numel() // max(1, num_seqs * num_kv_heads * 2)
     group = num_heads // num_kv_heads
     _, decode, combine = _kernels()
+    next_power_of_2 = _triton()[0].next_power_of_2
     splits = _num_splits(q.device, num_seqs * num_kv_heads, max_blocks)
-    blocks_per_split = -(-max_blocks // splits)
-    splits = -(-max_blocks // blocks_per_split)
-    meta = dict(GROUP=group, GROUP_PAD=_next_pow2(group), BLOCK=block_size, HEAD_DIM=head_dim)
+    blocks_per_split = ceil_div(max_blocks, splits)
+    splits = ceil_div(max_blocks, blocks_per_split)
+    meta = dict(GROUP=group, GROUP_PAD=next_power_of_2(group), BLOCK=block_size, HEAD_DIM=head_dim)
     if splits == 1:
         decode[(num_seqs, num_kv_heads, 1)](q, q.stride(0), q.stride(1), kv_chunks, chunk_table, max_blocks,
                                             layer_chunk_offset, ctx_lens, out, out.stride(0), out.stride(1), out, out,
@@ -182,7 +181,7 @@ def paged_decode_attention_triton(q: torch.Tensor, kv_chunks: torch.Tensor, chun
                                              layer_chunk_offset, ctx_lens, out, out.stride(0), out.stride(1), part,
                                              stats, blocks_per_split, scale, SPLIT=True, **meta)
     combine[(num_seqs, num_heads)](part, stats, out, out.stride(0), out.stride(1), splits,
-                                   SPLITS_PAD=_next_pow2(splits), HEAD_DIM=head_dim)
+                                   SPLITS_PAD=next_power_of_2(splits), HEAD_DIM=head_dim)
 
 
 MIN_BLOCKS_PER_SPLIT = 4   # 64 tokens at block_size 16: below that a split's fixed cost outweighs its keys
@@ -197,5 +196,5 @@ def _num_splits(device: torch.device, programs: int, max_blocks: int) -> int:
     """Splits of each context so the grid fills the GPU about twice over (flash-decoding): a batch of 1 over 4,000
     tokens has only num_kv_heads (sequence, kv head) programs otherwise, each walking 250 blocks alone. A function
     of the shapes only, so a captured graph keeps its split."""
-    want = -(-2 * _multiprocessors(device) // max(programs, 1))
+    want = ceil_div(2 * _multiprocessors(device), max(programs, 1))
     return max(1, min(want, max_blocks // MIN_BLOCKS_PER_SPLIT))
