@@ -16,7 +16,10 @@
  *     from 16 register accumulators reduced together by one transpose-add tree (45 shuffles and adds for 16 dot
  *     products instead of a horizontal sum each); bf16 K with AVX512-BF16 goes through vdpbf16ps without being
  *     widened; each V row is loaded (and widened) once for up to 4 (head_dim 64) or 2 (128) query heads, whose
- *     accumulators stay in registers. At 32 decodes of ~100 tokens this is ~2.5x the portable loop.
+ *     accumulators stay in registers. At 32 decodes of ~100 tokens this is ~2.5x the portable loop. Pages are
+ *     scattered, so each 2-4 KiB chunk starts with a DRAM miss the hardware prefetcher cannot foresee: K chunks
+ *     are prefetched two blocks ahead and V chunks while their block is scored (a step reads every layer's K/V,
+ *     ~100 MB, from DRAM: -35% per layer in bf16, -13% in fp32 at 32 decodes of 64-160 tokens).
  *   - portable C (any head_dim <= MAX_HEAD_DIM, any block size), one head at a time, vectorised by the compiler. */
 #include <float.h>
 #include <math.h>
@@ -178,6 +181,13 @@ static inline __attribute__((always_inline)) void score_block16(
     _mm512_mask_storeu_ps(scores, valid >= KEYS ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u), r);
 }
 
+#define PREFETCH_BLOCKS 2   /* K blocks requested ahead of the one being scored */
+
+static inline __attribute__((always_inline)) void prefetch_chunk(const char *p, int64_t bytes)
+{
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
 /* `heads` (<= 4 for head_dim 64, <= 2 for 128; a constant) query heads of one kv head: scores, softmax, then one
  * pass over V with every head's [head_dim] accumulator in registers. q rows at q_head_stride; out rows
  * contiguous. scores: [heads, ctx rounded up to KEYS] scratch. */
@@ -188,10 +198,25 @@ static inline __attribute__((always_inline)) void attend_heads_avx512(
 {
     const int64_t chunk_numel = (int64_t)block_size * head_dim;
     const int elem = bf16 ? 2 : 4;
+    const int64_t chunk_bytes = chunk_numel * elem;
+    const int64_t num_blocks = (ctx + block_size - 1) / block_size;
+    for (int64_t b = 0; b < PREFETCH_BLOCKS && b < num_blocks; b++)
+        prefetch_chunk((const char *)kv_chunks + (k_chunks[b] + layer_chunk_offset) * chunk_bytes, chunk_bytes);
     for (int g = 0; g < heads; g++) {
         const char *qh = (const char *)q + g * q_head_stride * elem;
         float *sg = scores + g * scores_stride;
         for (int64_t t0 = 0; t0 < ctx; t0 += KEYS) {
+            if (g == 0 && t0 % block_size == 0) {
+                /* pages are scattered: each chunk's first miss is a full DRAM latency the hardware prefetcher
+                 * cannot hide. Ask for K a few blocks ahead, and for this block's V, which the pass over V reads
+                 * after the softmax. */
+                const int64_t b = t0 / block_size;
+                if (b + PREFETCH_BLOCKS < num_blocks)
+                    prefetch_chunk((const char *)kv_chunks
+                                   + (k_chunks[b + PREFETCH_BLOCKS] + layer_chunk_offset) * chunk_bytes, chunk_bytes);
+                prefetch_chunk((const char *)kv_chunks + (v_chunks[b] + layer_chunk_offset) * chunk_bytes,
+                               chunk_bytes);
+            }
             const int64_t chunk = k_chunks[t0 / block_size] + layer_chunk_offset;
             const char *rows = (const char *)kv_chunks + (chunk * chunk_numel + (t0 % block_size) * head_dim) * elem;
             score_block16(qh, rows, sg + t0, ctx - t0, head_dim, scale, bf16);
