@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from elastic_hf.kv.paged_batch import PagedBatch
 from elastic_hf.native.causal_prefill import causal_prefill_attention_batch, native_prefill_available
+from elastic_hf.native.kv_write import native_kv_write_available, write_kv_rows
 from elastic_hf.native.paged_decode import native_decode_available, paged_decode_attention
 from elastic_hf.native.triton_paged import (paged_decode_attention_triton, paged_kv_write,
                                             triton_paged_available)
@@ -39,6 +40,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     gpu_kernels = triton_paged_available(rows.device, head_dim, layout.block_size)
     if gpu_kernels:   # one launch for K and V, reading HF's strided projections; skips a captured batch's padding
         paged_kv_write(rows, paged_batch.write_k_rows, layer_offset, v_offset, key, value)
+    elif key.dtype == rows.dtype and native_kv_write_available(rows.device):   # CPU: one call, no copies
+        write_kv_rows(rows, paged_batch.write_k_rows, layer_offset, v_offset, key, value)
     else:
         write_rows = paged_batch.write_k_rows + layer_offset
         rows.index_copy_(0, write_rows, key[0].transpose(0, 1).reshape(-1, head_dim))          # [T*kv_heads, hd]
@@ -92,7 +95,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # One gather of whole [block_size, head_dim] slabs brings every decode's K and V of this layer.
         context = pool.chunks.index_select(0, d.chunk_ids + layer_chunk_offset).view(
             d.num_seqs, num_kv_heads, 2, d.ctx_len, head_dim)
-        out[rows_slice] = decode_attention(q, context[:, :, 0], context[:, :, 1], d.score_bias, scale)
+        out[rows_slice] = decode_attention(q, context[:, :, 0], context[:, :, 1], d.score_bias(), scale)
     return out.unsqueeze(0), None
 
 
@@ -155,8 +158,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_bi
 
 def load_native_attention(dtype: torch.dtype, device: torch.device) -> bool:
     """Compile (once per machine) or load the C attention kernels for `dtype` now, at build time, rather than inside
-    the first request's step. True when both are there."""
-    return native_prefill_available(dtype, device) and native_decode_available(dtype, device)
+    the first request's step. True when all three (prefill, decode, K/V write) are there."""
+    return (native_prefill_available(dtype, device) and native_decode_available(dtype, device)
+            and native_kv_write_available(device))
 
 
 def register_paged_attention() -> str:

@@ -90,8 +90,10 @@ class DecodeGraphs:
         b = self.inputs
         lo = pool.layout
         batch = PagedBatch(pool, b["write_rows"][:size * lo.num_kv_heads], [],
+                           # no score bias (all_full): lengths change between replays, so only kernels that
+                           # read `lens` may be captured (checked below)
                            DecodeGroup(0, b["table"][:size].view(-1), size, self.table_blocks * lo.block_size,
-                                       b["lens"][:size], None), size)
+                                       b["lens"][:size], lo.num_kv_heads, lo.dtype, all_full=True), size)
 
         def forward() -> None:
             out = self.model(input_ids=b["input_ids"][:, :size], position_ids=b["positions"][:, :size],
