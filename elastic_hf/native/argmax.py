@@ -7,20 +7,14 @@ from functools import cache
 
 import torch
 
-from elastic_hf.native.build import load_library
+from elastic_hf.native.build import bind
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 @cache
 def _kernel():
-    lib = load_library("argmax")
-    if lib is None:
-        return None
-    fn = lib.elastic_argmax_rows_f32
-    fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _int]
-    fn.restype = None
-    return fn
+    return bind("argmax", "elastic_argmax_rows_f32", [_ptr, _i64, _i64, _i64, _ptr, _int])
 
 
 def native_argmax_available() -> bool:

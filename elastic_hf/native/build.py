@@ -101,6 +101,17 @@ def _build(source: Path, compiler: str) -> Path:
     return target
 
 
+def bind(name: str, symbol: str, argtypes: list, restype=None):
+    """The C function `symbol` of the compiled `<name>.c` with its ctypes signature set, or None where native
+    kernels are off or cannot be built here (load_library warns once)."""
+    lib = load_library(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 @cache
 def load_library(name: str) -> ctypes.CDLL | None:
     """The compiled `<name>.c` of this package, or None (with a warning once) when native kernels are disabled

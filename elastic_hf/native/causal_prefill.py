@@ -7,7 +7,7 @@ from functools import cache
 
 import torch
 
-from elastic_hf.native.build import load_library
+from elastic_hf.native.build import bind
 
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)   # bf16 is widened by the caller: the kernel computes in fp32
@@ -15,13 +15,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)   # bf16 is widened by the ca
 
 @cache
 def _kernel():
-    lib = load_library("causal_prefill")
-    if lib is None:
-        return None
-    fn = lib.elastic_causal_prefill_varlen_f32
-    fn.argtypes = [_int] + [_ptr] * 7 + [_int, _int, _int, _float, _int]
-    fn.restype = _int
-    return fn
+    return bind("causal_prefill", "elastic_causal_prefill_varlen_f32",
+                [_int] + [_ptr] * 7 + [_int, _int, _int, _float, _int], _int)
 
 
 def native_prefill_available(dtype: torch.dtype, device: torch.device) -> bool:

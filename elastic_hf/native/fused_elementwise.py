@@ -7,7 +7,7 @@ from functools import cache
 
 import torch
 
-from elastic_hf.native.build import load_library
+from elastic_hf.native.build import bind
 
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -15,19 +15,12 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 @cache
 def _kernels() -> dict | None:
-    lib = load_library("fused_elementwise")
-    if lib is None:
-        return None
-    kernels = {}
-    for dtype, suffix in _SUFFIX.items():
-        norm = getattr(lib, f"elastic_rms_norm_{suffix}")
-        norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _float, _int]
-        norm.restype = _int
-        swiglu = getattr(lib, f"elastic_silu_mul_{suffix}")
-        swiglu.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _int]
-        swiglu.restype = _int
-        kernels[dtype] = (norm, swiglu)
-    return kernels
+    kernels = {dtype: (bind("fused_elementwise", f"elastic_rms_norm_{suffix}",
+                            [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _float, _int], _int),
+                       bind("fused_elementwise", f"elastic_silu_mul_{suffix}",
+                            [_ptr, _i64, _ptr, _i64, _i64, _i64, _int], _int))
+               for dtype, suffix in _SUFFIX.items()}
+    return None if any(None in pair for pair in kernels.values()) else kernels
 
 
 def native_elementwise_available(dtype: torch.dtype, device: torch.device) -> bool:

@@ -7,20 +7,15 @@ from functools import cache
 
 import torch
 
-from elastic_hf.native.build import load_library
+from elastic_hf.native.build import bind
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 @cache
 def _kernel():
-    lib = load_library("kv_write")
-    if lib is None:
-        return None
-    fn = lib.elastic_paged_kv_write
-    fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _ptr, _i64, _i64, _int]
-    fn.restype = None
-    return fn
+    return bind("kv_write", "elastic_paged_kv_write",
+                [_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _ptr, _i64, _i64, _int])
 
 
 def native_kv_write_available(device: torch.device) -> bool:

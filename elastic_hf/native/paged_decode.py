@@ -6,7 +6,7 @@ from functools import cache
 
 import torch
 
-from elastic_hf.native.build import load_library
+from elastic_hf.native.build import bind
 
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
@@ -17,14 +17,11 @@ _ENTRY_POINTS = {torch.float32: "elastic_paged_decode_f32", torch.bfloat16: "ela
 
 @cache
 def _kernel(kv_dtype: torch.dtype):
-    lib = load_library("paged_decode")
-    if lib is None or kv_dtype not in _ENTRY_POINTS:
+    if kv_dtype not in _ENTRY_POINTS:
         return None
-    fn = getattr(lib, _ENTRY_POINTS[kv_dtype])
-    fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
-                   _int, _int, _int, _int, _int, _int, _float, _int]
-    fn.restype = _int
-    return fn
+    return bind("paged_decode", _ENTRY_POINTS[kv_dtype],
+                [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _int, _int, _int, _int, _int, _int, _float,
+                 _int], _int)
 
 
 def native_decode_available(dtype: torch.dtype, device: torch.device) -> bool:

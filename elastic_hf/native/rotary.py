@@ -7,7 +7,7 @@ from functools import cache
 
 import torch
 
-from elastic_hf.native.build import load_library
+from elastic_hf.native.build import bind
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -15,17 +15,9 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 @cache
 def _kernels() -> dict | None:
-    lib = load_library("rotary")
-    if lib is None:
-        return None
-    kernels = {}
-    for dtype, suffix in _SUFFIX.items():
-        fn = getattr(lib, f"elastic_rotary_{suffix}")
-        fn.argtypes = ([_ptr, _i64, _i64, _i64] * 2 + [_ptr, _ptr, _i64] + [_ptr, _i64, _i64] * 2
-                       + [_i64, _i64, _int])
-        fn.restype = _int
-        kernels[dtype] = fn
-    return kernels
+    argtypes = [_ptr, _i64, _i64, _i64] * 2 + [_ptr, _ptr, _i64] + [_ptr, _i64, _i64] * 2 + [_i64, _i64, _int]
+    kernels = {dtype: bind("rotary", f"elastic_rotary_{suffix}", argtypes, _int) for dtype, suffix in _SUFFIX.items()}
+    return None if None in kernels.values() else kernels
 
 
 def native_rotary_available(dtype: torch.dtype, device: torch.device) -> bool:
