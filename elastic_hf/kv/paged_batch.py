@@ -38,7 +38,7 @@ class DecodeGroup:
     num_kv_heads: int
     bias_dtype: torch.dtype
     all_full: bool                     # every sequence fills all ctx_len positions
-    _score_bias: torch.Tensor | None = None
+    _score_bias: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def score_bias(self) -> torch.Tensor | None:
         """[num_seqs * kv_heads, 1, ctx_len], 0 or -inf at positions past a sequence's length; None when every

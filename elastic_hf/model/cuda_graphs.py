@@ -91,7 +91,8 @@ class DecodeGraphs:
         lo = pool.layout
         batch = PagedBatch(pool, b["write_rows"][:size * lo.num_kv_heads], [],
                            # no score bias (all_full): lengths change between replays, so only kernels that
-                           # read `lens` may be captured (checked below)
+                           # read `lens` may be captured (the Triton one: instance.py requires it for graphs, and
+                           # a KV dtype unlike the model's, which would take the torch path, is refused below)
                            DecodeGroup(0, b["table"][:size].view(-1), size, self.table_blocks * lo.block_size,
                                        b["lens"][:size], lo.num_kv_heads, lo.dtype, all_full=True), size)
 

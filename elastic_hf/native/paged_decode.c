@@ -9,7 +9,10 @@
  *
  * Work is split over (sequence, kv head) pairs across OpenMP threads; the `group` query heads that share a kv head
  * (HF's repeat_kv order: head = kv_head * group + g) are handled by the same thread. Softmax: all scores, their
- * max, exp and sum, then V.
+ * max, exp and sum, then V. With fewer than two pairs per thread (one long decode: 3 pairs on 2 threads, one
+ * thread doing two thirds of the work), the AVX-512 path also cuts each context into splits of >= 8 blocks and
+ * combines their partial softmaxes (flash-decoding): one decode of 4,000 tokens on 2 threads, all 30 layers in turn,
+ * bf16 163 -> 125 us a layer, fp32 287 -> 233 (benchmarks/paged_decode.py --seqs 1 --min-ctx 4000 --max-ctx 4000).
  *
  * Two implementations of one pair:
  *   - AVX-512 (head_dim 64 or 128, block_size a multiple of 16): the scores of a block's 16 keys for one head come
@@ -19,7 +22,8 @@
  *     accumulators stay in registers. At 32 decodes of ~100 tokens this is ~2.5x the portable loop. Pages are
  *     scattered, so each 2-4 KiB chunk starts with a DRAM miss the hardware prefetcher cannot foresee: K chunks
  *     are prefetched two blocks ahead and V chunks while their block is scored (a step reads every layer's K/V,
- *     ~100 MB, from DRAM: -35% per layer in bf16, -13% in fp32 at 32 decodes of 64-160 tokens).
+ *     ~100 MB, from DRAM: all 30 layers in turn at 32 decodes of 64-160 tokens, bf16 177 -> 107-118 us a layer,
+ *     fp32 258 -> 206-210; benchmarks/paged_decode.py).
  *   - portable C (any head_dim <= MAX_HEAD_DIM, any block size), one head at a time, vectorised by the compiler. */
 #include <float.h>
 #include <math.h>
@@ -28,6 +32,10 @@
 #include <string.h>
 
 #define MAX_HEAD_DIM 1024
+/* splitting a context (flash-decoding) when there are fewer (sequence, kv head) pairs than 2 per thread: aim at this
+ * many work items per thread, each split at least MIN_SPLIT_BLOCKS blocks long */
+#define SPLIT_ITEMS_PER_THREAD 4
+#define MIN_SPLIT_BLOCKS 8
 
 #include "bf16.h"
 #include "fast_exp.h"
@@ -183,18 +191,23 @@ static inline __attribute__((always_inline)) void score_block16(
 
 #define PREFETCH_BLOCKS 2   /* K blocks requested ahead of the one being scored */
 
+#define PREFETCH_MAX_BYTES 4096   /* of a chunk; the rest streams behind it (large blocks must not flood L1) */
+
 static inline __attribute__((always_inline)) void prefetch_chunk(const char *p, int64_t bytes)
 {
+    if (bytes > PREFETCH_MAX_BYTES) bytes = PREFETCH_MAX_BYTES;
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
 /* `heads` (<= 4 for head_dim 64, <= 2 for 128; a constant) query heads of one kv head: scores, softmax, then one
  * pass over V with every head's [head_dim] accumulator in registers. q rows at q_head_stride; out rows
- * contiguous. scores: [heads, ctx rounded up to KEYS] scratch. */
+ * contiguous. scores: [heads, ctx rounded up to KEYS] scratch. With `partial` (a split of a longer context), the
+ * output is not normalised: per head, [head_dim] accumulator, then the split's score max and its sum of exps, at
+ * partial + g * (head_dim + 2); `out` is not written. */
 static inline __attribute__((always_inline)) void attend_heads_avx512(
     const void *q, int64_t q_head_stride, const void *kv_chunks, const int64_t *k_chunks, const int64_t *v_chunks,
-    int64_t layer_chunk_offset, int64_t ctx, void *out, int block_size, const int head_dim, float scale,
-    float *scores, int64_t scores_stride, const int heads, const int bf16)
+    int64_t layer_chunk_offset, int64_t ctx, void *out, float *partial, int block_size, const int head_dim,
+    float scale, float *scores, int64_t scores_stride, const int heads, const int bf16)
 {
     const int64_t chunk_numel = (int64_t)block_size * head_dim;
     const int elem = bf16 ? 2 : 4;
@@ -230,7 +243,8 @@ static inline __attribute__((always_inline)) void attend_heads_avx512(
             sg[t] = exp_nonpositive(sg[t] - max);
             sum += sg[t];
         }
-        sg[ctx] = 1.0f / sum;   /* the scratch row has room: ctx < scores_stride */
+        sg[ctx] = sum;   /* the scratch row has room: ctx + 1 < scores_stride */
+        sg[ctx + 1] = max;
     }
 
     __m512 acc[4][MAX_HEAD_DIM / 16];
@@ -250,7 +264,15 @@ static inline __attribute__((always_inline)) void attend_heads_avx512(
         }
     }
     for (int g = 0; g < heads; g++) {
-        const __m512 inv = _mm512_set1_ps(scores[g * scores_stride + ctx]);
+        const float *sg = scores + g * scores_stride;
+        if (partial != NULL) {
+            float *pg = partial + g * (head_dim + 2);
+            for (int c = 0; c < head_dim / 16; c++) _mm512_storeu_ps(pg + 16 * c, acc[g][c]);
+            pg[head_dim] = sg[ctx + 1];
+            pg[head_dim + 1] = sg[ctx];
+            continue;
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / sg[ctx]);
         for (int c = 0; c < head_dim / 16; c++)
             store16(out, (int64_t)g * head_dim + 16 * c, _mm512_mul_ps(acc[g][c], inv), bf16);
     }
@@ -259,17 +281,18 @@ static inline __attribute__((always_inline)) void attend_heads_avx512(
 /* The query heads of one pair in passes of as many heads as fit the registers, each pass inlined with constants. */
 static inline __attribute__((always_inline)) void attend_pair_avx512(
     const void *q, int64_t q_head_stride, const void *kv_chunks, const int64_t *k_chunks, const int64_t *v_chunks,
-    int64_t layer_chunk_offset, int64_t ctx, void *out, int group, int block_size, const int head_dim, float scale,
-    float *scores, int64_t scores_stride, const int bf16)
+    int64_t layer_chunk_offset, int64_t ctx, void *out, float *partial, int group, int block_size,
+    const int head_dim, float scale, float *scores, int64_t scores_stride, const int bf16)
 {
     const int per_pass = head_dim == 64 ? 4 : 2;
     const int elem = bf16 ? 2 : 4;
     for (int g0 = 0; g0 < group; g0 += per_pass) {
         const void *qg = (const char *)q + g0 * q_head_stride * elem;
         void *og = (char *)out + (int64_t)g0 * head_dim * elem;
+        float *pg = partial == NULL ? NULL : partial + g0 * (head_dim + 2);
         const int heads = group - g0 < per_pass ? group - g0 : per_pass;
 #define PASS(HEADS) attend_heads_avx512(qg, q_head_stride, kv_chunks, k_chunks, v_chunks, layer_chunk_offset, ctx, \
-                                        og, block_size, head_dim, scale, scores, scores_stride, HEADS, bf16)
+                                        og, pg, block_size, head_dim, scale, scores, scores_stride, HEADS, bf16)
         if (heads == 1) PASS(1);
         else if (heads == 2) PASS(2);
         else if (heads == 3) PASS(3);
@@ -302,6 +325,22 @@ static inline __attribute__((always_inline)) int paged_decode(
 #else
     const int vector_path = 0;
 #endif
+    /* Few (sequence, kv head) pairs cannot keep every thread busy to the end (one decode: 3 pairs on 2 threads).
+     * Then each pair's context is cut into `splits` ranges of whole blocks, attended separately and combined
+     * (flash-decoding): a split keeps its unnormalised output, score max and sum of exps in `partials`. */
+    const int64_t pairs = (int64_t)num_seqs * num_kv_heads;
+    int64_t splits = 1;
+    if (vector_path && num_threads > 1 && pairs < 2 * num_threads) {
+        splits = (SPLIT_ITEMS_PER_THREAD * num_threads + pairs - 1) / pairs;
+        if (splits > max_blocks / MIN_SPLIT_BLOCKS) splits = max_blocks / MIN_SPLIT_BLOCKS;
+        if (splits < 1) splits = 1;
+    }
+    const int64_t partial_stride = (int64_t)group * (head_dim + 2);   /* floats of one split's output */
+    float *partials = NULL;
+    if (splits > 1) {
+        partials = (float *)malloc(sizeof(float) * (size_t)(pairs * splits * partial_stride));
+        if (partials == NULL) return -1;
+    }
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
@@ -312,11 +351,12 @@ static inline __attribute__((always_inline)) int paged_decode(
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < (int64_t)num_seqs * num_kv_heads; item++) {
+        for (int64_t item = 0; item < pairs * splits; item++) {
             if (scores == NULL) continue;
-            const int64_t s = item / num_kv_heads;
-            const int h = (int)(item % num_kv_heads);
-            const int64_t *k_chunks = chunk_table + (s * num_kv_heads + h) * 2 * max_blocks;
+            const int64_t pair = item / splits, split = item % splits;
+            const int64_t s = pair / num_kv_heads;
+            const int h = (int)(pair % num_kv_heads);
+            const int64_t *k_chunks = chunk_table + pair * 2 * max_blocks;
             const int64_t *v_chunks = k_chunks + max_blocks;
             const void *qh = (const char *)q + (s * q_seq_stride + (int64_t)h * group * q_head_stride) * elem;
             void *oh = (char *)out + (s * out_seq_stride + (int64_t)h * group * head_dim) * elem;
@@ -324,9 +364,27 @@ static inline __attribute__((always_inline)) int paged_decode(
              * because both entry points share one outlined body. */
 #if defined(HAVE_AVX512_PATH)
             if (vector_path) {
-#define ATTEND(HEAD_DIM, BF16) attend_pair_avx512(qh, q_head_stride, kv_chunks, k_chunks, v_chunks,              \
-                                                  layer_chunk_offset, ctx_lens[s], oh, group, block_size,        \
-                                                  HEAD_DIM, scale, scores, scores_stride, BF16)
+                int64_t first_block = 0, ctx = ctx_lens[s];
+                float *partial = NULL;
+                if (splits > 1) {   /* this split's blocks: [first_block, first_block + per_split) of the context */
+                    const int64_t blocks = (ctx + block_size - 1) / block_size;
+                    const int64_t per_split = (blocks + splits - 1) / splits;
+                    first_block = split * per_split;
+                    const int64_t end = (first_block + per_split) * block_size < ctx
+                                        ? (first_block + per_split) * block_size : ctx;
+                    partial = partials + item * partial_stride;
+                    if (first_block * block_size >= end) {   /* a short context leaves this split empty */
+                        for (int g = 0; g < group; g++) {
+                            partial[g * (head_dim + 2) + head_dim] = -FLT_MAX;
+                            partial[g * (head_dim + 2) + head_dim + 1] = 0.0f;
+                        }
+                        continue;
+                    }
+                    ctx = end - first_block * block_size;
+                }
+#define ATTEND(HEAD_DIM, BF16) attend_pair_avx512(qh, q_head_stride, kv_chunks, k_chunks + first_block,           \
+                                                  v_chunks + first_block, layer_chunk_offset, ctx, oh, partial,  \
+                                                  group, block_size, HEAD_DIM, scale, scores, scores_stride, BF16)
                 if (head_dim == 64) { if (bf16) ATTEND(64, 1); else ATTEND(64, 0); }
                 else { if (bf16) ATTEND(128, 1); else ATTEND(128, 0); }
 #undef ATTEND
@@ -348,7 +406,40 @@ static inline __attribute__((always_inline)) int paged_decode(
 #undef ATTEND
         }
         free(scores);
+        if (splits > 1) {
+            /* after the loop's barrier: every split is done. Each query head's output is its splits' accumulators
+             * rescaled to the largest max, over their rescaled sums. */
+#pragma omp for schedule(static)
+            for (int64_t row = 0; row < pairs * group; row++) {
+                const int64_t pair = row / group;
+                const int g = (int)(row % group);
+                const int64_t s = pair / num_kv_heads;
+                const int h = (int)(pair % num_kv_heads);
+                const float *first = partials + pair * splits * partial_stride + g * (head_dim + 2);
+                float max = -FLT_MAX;
+                for (int64_t j = 0; j < splits; j++) {
+                    const float m = first[j * partial_stride + head_dim];
+                    max = m > max ? m : max;
+                }
+                float acc[MAX_HEAD_DIM], sum = 0.0f;
+                for (int d = 0; d < head_dim; d++) acc[d] = 0.0f;
+                for (int64_t j = 0; j < splits; j++) {
+                    const float *pj = first + j * partial_stride;
+                    if (pj[head_dim + 1] == 0.0f) continue;   /* an empty split */
+                    const float w = exp_nonpositive(pj[head_dim] - max);
+                    sum += w * pj[head_dim + 1];
+                    for (int d = 0; d < head_dim; d++) acc[d] += w * pj[d];
+                }
+                const float inv = 1.0f / sum;
+                char *o = (char *)out + (s * out_seq_stride + ((int64_t)h * group + g) * head_dim) * elem;
+                for (int d = 0; d < head_dim; d++) {
+                    if (bf16) ((uint16_t *)o)[d] = f32_to_bf16(acc[d] * inv);
+                    else ((float *)o)[d] = acc[d] * inv;
+                }
+            }
+        }
     }
+    free(partials);
     return failed ? -1 : 0;
 }
 

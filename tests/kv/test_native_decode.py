@@ -27,13 +27,34 @@ TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rt
     (64, 9, 3, 16), (128, 8, 2, 16), (24, 4, 4, 16), (64, 8, 1, 16), (64, 14, 2, 32), (128, 6, 2, 32),
     (64, 9, 3, 8)])
 def test_kernel_matches_sdpa(head_dim, num_heads, num_kv_heads, block, dtype):
+    # inside a block, exactly one, one past
+    check_against_sdpa(torch.tensor([1, 16, 17, 40, 63]), head_dim, num_heads, num_kv_heads, block, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lens,num_kv_heads", [([1000], 3), ([1000, 20], 1), ([700, 130, 129], 1), ([4100], 2)])
+def test_few_long_contexts_split_and_combine(lens, num_kv_heads, dtype):
+    # fewer (sequence, kv head) pairs than 2 per thread: each context is cut into splits of >= 8 blocks, attended
+    # apart and combined (at 4 threads: 1000 tokens -> 6 splits; [1000, 20] -> 7, 5 of them empty for the short
+    # one; 4,100 -> 2 pairs x 8 splits)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        check_against_sdpa(torch.tensor(lens), 64, 3 * num_kv_heads, num_kv_heads, 16, dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_against_sdpa(lens: torch.Tensor, head_dim: int, num_heads: int, num_kv_heads: int, block: int,
+                       dtype: torch.dtype) -> None:
+    """The kernel on scattered pages (NaN past every context) against SDPA on the same K/V, per sequence."""
     assert native_decode_available(dtype, torch.device("cpu"))
     torch.manual_seed(head_dim + num_heads)
-    num_seqs, chunks_per_block, layer = 5, 3 * num_kv_heads * 2, 2
-    lens = torch.tensor([1, 16, 17, 40, 63])                       # inside a block, exactly one, one past
+    num_seqs, chunks_per_block, layer = len(lens), 3 * num_kv_heads * 2, 2
     max_blocks = -(-int(lens.max()) // block)
-    kv_chunks = torch.randn(200 * chunks_per_block, block, head_dim).to(dtype)
-    blocks = torch.randperm(200)[:num_seqs * max_blocks].view(num_seqs, max_blocks)   # scattered pages
+    pool_blocks = max(200, 2 * num_seqs * max_blocks)
+    kv_chunks = torch.randn(pool_blocks * chunks_per_block, block, head_dim).to(dtype)
+    blocks = torch.randperm(pool_blocks)[:num_seqs * max_blocks].view(num_seqs, max_blocks)   # scattered pages
     head_kv = torch.arange(num_kv_heads * 2).view(num_kv_heads, 2)
     table = (blocks[:, None, None, :] * chunks_per_block + head_kv[None, :, :, None]).flatten()
     layer_offset = layer * num_kv_heads * 2

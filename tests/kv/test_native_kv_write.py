@@ -55,7 +55,22 @@ def test_rejects_what_the_copy_cannot_survive():
         write_kv_rows(rows.bfloat16(), ids, 0, 16, key, value)
     with pytest.raises(ValueError, match="12 torch.int32 row ids"):
         write_kv_rows(rows, ids.int(), 0, 16, key, value)
-    with pytest.raises(ValueError, match="head_dim must be contiguous"):
-        write_kv_rows(rows, ids, 0, 16, key.transpose(2, 3), value)
     with pytest.raises(ValueError, match="6 torch.int64 row ids for 4 tokens x 3"):
         write_kv_rows(rows, ids[:6], 0, 16, key, value)
+    with pytest.raises(ValueError, match=r"key \(1, 3, 4, 64\) and value \(1, 3, 2, 64\) must match"):
+        write_kv_rows(rows, ids, 0, 16, key, value[:, :, :2])
+    beyond = ids.clone()
+    beyond[5] = 512 - 16                                  # its V row (+16) is row 512 of 512
+    with pytest.raises(ValueError, match="outside the arena's 512 rows"):
+        write_kv_rows(rows, beyond, 0, 16, key, value)
+    assert not rows.any()                                 # nothing written by the refused calls
+
+
+def test_head_dim_strided_views_are_copied_first():
+    key, value = hf_projections(3, 4, 2, 8, torch.float32)
+    key_t = key.transpose(2, 3).contiguous().transpose(2, 3)   # same values, head_dim no longer contiguous
+    rows = torch.zeros(64, 8)
+    ids = torch.tensor([0, 2, 4, 6, 8, 10])
+    write_kv_rows(rows, ids, 16, 1, key_t, value)
+    assert torch.equal(rows[ids + 16], key[0].transpose(0, 1).reshape(-1, 8))
+    assert torch.equal(rows[ids + 17], value[0].transpose(0, 1).reshape(-1, 8))
