@@ -95,7 +95,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # One gather of whole [block_size, head_dim] slabs brings every decode's K and V of this layer.
         context = pool.chunks.index_select(0, d.chunk_ids + layer_chunk_offset).view(
             d.num_seqs, num_kv_heads, 2, d.ctx_len, head_dim)
-        out[rows_slice] = decode_attention(q, context[:, :, 0], context[:, :, 1], d.score_bias(), scale)
+        out[rows_slice] = decode_attention(q, context[:, :, 0], context[:, :, 1], d.score_bias(layout), scale)
     return out.unsqueeze(0), None
 
 

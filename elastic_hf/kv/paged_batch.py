@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.units import ceil_div
 
@@ -35,22 +36,20 @@ class DecodeGroup:
     num_seqs: int
     ctx_len: int                       # max_blocks * block_size: the padded context every decode attends over
     lens: torch.Tensor                 # [num_seqs] int64: tokens each decode attends to (<= ctx_len)
-    num_kv_heads: int
-    bias_dtype: torch.dtype
-    all_full: bool                     # every sequence fills all ctx_len positions
+    all_full: bool                     # every sequence fills all ctx_len positions (known on the host: no sync)
     _score_bias: torch.Tensor | None = field(default=None, init=False, repr=False)
 
-    def score_bias(self) -> torch.Tensor | None:
-        """[num_seqs * kv_heads, 1, ctx_len], 0 or -inf at positions past a sequence's length; None when every
-        sequence fills all ctx_len positions. Built on first use: only the torch decode path reads it (the native
-        and Triton kernels take `lens`), and then every layer of the step shares it."""
+    def score_bias(self, layout: KVLayout) -> torch.Tensor | None:
+        """[num_seqs * kv_heads, 1, ctx_len] in the KV dtype of `layout` (the batch's pool), 0 or -inf at
+        positions past a sequence's length; None when every sequence fills all ctx_len positions. Built on first
+        use: only the torch decode path reads it (the native and Triton kernels take `lens`), and then every layer
+        of the step shares it."""
         if self.all_full or self._score_bias is not None:
             return self._score_bias
         beyond = torch.arange(self.ctx_len, device=self.lens.device)[None, :] >= self.lens[:, None]  # [S, ctx_len]
-        bias = torch.zeros(beyond.shape, dtype=self.bias_dtype, device=beyond.device).masked_fill_(
-            beyond, float("-inf"))
-        self._score_bias = bias[:, None, None, :].expand(self.num_seqs, self.num_kv_heads, 1, self.ctx_len).reshape(
-            self.num_seqs * self.num_kv_heads, 1, self.ctx_len)
+        bias = torch.zeros(beyond.shape, dtype=layout.dtype, device=beyond.device).masked_fill_(beyond, float("-inf"))
+        self._score_bias = bias[:, None, None, :].expand(self.num_seqs, layout.num_kv_heads, 1, self.ctx_len).reshape(
+            self.num_seqs * layout.num_kv_heads, 1, self.ctx_len)
         return self._score_bias
 
 
@@ -125,8 +124,7 @@ def _decode_group(pool: KVPagePool, first_row: int, tables: list[list[int]], len
     table = torch.tensor([(t + [t[0]] * max_blocks)[:max_blocks] for t in tables])    # [S, max_blocks]
     head_kv = torch.arange(lo.chunks_per_layer).view(lo.num_kv_heads, 2)               # [kv_heads, 2]
     chunk_ids = table[:, None, None, :] * lo.chunks_per_block + head_kv[None, :, :, None]  # [S, kv_heads, 2, nb]
-    return DecodeGroup(first_row, chunk_ids.flatten(), num_seqs, ctx_len, torch.tensor(lens), lo.num_kv_heads,
-                       lo.dtype, min(lens) == ctx_len)
+    return DecodeGroup(first_row, chunk_ids.flatten(), num_seqs, ctx_len, torch.tensor(lens), min(lens) == ctx_len)
 
 
 def is_batched_decode(num_computed: int, num_new_tokens: int, sliding_window: int | None) -> bool:

@@ -94,7 +94,7 @@ class DecodeGraphs:
                            # read `lens` may be captured (the Triton one: instance.py requires it for graphs, and
                            # a KV dtype unlike the model's, which would take the torch path, is refused below)
                            DecodeGroup(0, b["table"][:size].view(-1), size, self.table_blocks * lo.block_size,
-                                       b["lens"][:size], lo.num_kv_heads, lo.dtype, all_full=True), size)
+                                       b["lens"][:size], all_full=True), size)
 
         def forward() -> None:
             out = self.model(input_ids=b["input_ids"][:, :size], position_ids=b["positions"][:, :size],

@@ -115,7 +115,7 @@ def test_decodes_over_chunk_gather_match_sdpa_for_odd_head_dim_and_equal_lengths
 
     step([(0, 0, n - 1), (1, 0, n - 1)])
     out, meta = step([(0, n - 1, n), (1, n - 1, n)])
-    assert meta.decodes is not None and meta.decodes.score_bias() is None
+    assert meta.decodes is not None and meta.decodes.score_bias(layout) is None
     for i in range(2):
         ref = F.scaled_dot_product_attention(q_full[i][:, n - 1:], k_full[i], v_full[i], scale=0.3, enable_gqa=True)
         torch.testing.assert_close(out[i:i + 1], ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
