@@ -13,6 +13,13 @@ import torch
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(__file__).resolve().parent / "data"   # benchmark-only data (README.md there: source, licence)
+RESULTS_DIR = PROJECT_ROOT / "out" / "benchmarks"   # plots and result files (git-ignored), never the repo root
+
+
+def result_path(name: str) -> Path:
+    """Where a benchmark writes its output file `name` by default: out/benchmarks/ of the checkout."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    return RESULTS_DIR / name
 
 
 def wikitext_text() -> str:

@@ -12,7 +12,7 @@ the held-out wikitext perplexity as a function of how many layers run in W4 (in 
 the tokens each server generated at each layer count: static fp loses nothing, static W4 loses
 ppl(all) - ppl(0), and `morph_quality_kept` = 1 - (morph's token-weighted loss) / (static W4's loss).
 
-    python benchmarks/morph_replay.py [--runs 3 --num-requests 48 --rate 1.5 --kv-blocks 16 --plot morph_replay.png]
+    python benchmarks/morph_replay.py [--runs 3 --num-requests 48 --rate 1.5 --kv-blocks 16 --plot out/benchmarks/morph_replay.png]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import InProcessServer, machine_description  # noqa: E402
+from common import InProcessServer, machine_description, result_path  # noqa: E402
 from replay import (TRACE_NAME, TraceScale, build_requests, load_trace, run_replay, scale_trace,  # noqa: E402
                     time_scale_for_rate)
 
@@ -45,7 +45,7 @@ class Recorder:
         num_w4 = morph.manager().counts()["w4"] if morph is not None else 0
         tokens = engine.metrics.generation_tokens._value.get()
         _, blocked = engine.scheduler.head_of_line()
-        self.rows.append((time.time(), tokens, num_w4, engine.scheduler.allocator.num_total, blocked))
+        self.rows.append((time.time(), tokens, num_w4, engine.scheduler.kv.num_total, blocked))
 
     def tokens_by_w4_layers(self) -> dict[int, float]:
         """Tokens generated while k layers ran in W4 (a step's tokens count at the state before the step)."""
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ppl-windows", type=int, default=4)
     ap.add_argument("--ppl-seq-len", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3, help="replays per server; the gain is the median over runs")
-    ap.add_argument("--plot", default="morph_replay.png")
+    ap.add_argument("--plot", default=str(result_path("morph_replay.png")))
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--servers", default="fp,w4,morph",
                     help="which servers to run, comma-separated (static W4 is impractical where the int-pack "
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
             runs[-1][kind] = (report, recorder, start)
             state = model.morph.state() if model.morph is not None else None
             print(f"\n[run {run + 1}/{args.runs}: {kind}] KV blocks at end "
-                  f"{model.instances[0].engine.scheduler.allocator.num_total}; head of the queue waited for KV "
+                  f"{model.instances[0].engine.scheduler.kv.num_total}; head of the queue waited for KV "
                   f"blocks {100 * recorder.kv_wait_share(report.duration_s):.0f} % of the time"
                   + (f"; swaps {state['swaps']}, mean swap latency {state['swap_latency_s_mean']} s" if state else ""))
             print(report.summary())

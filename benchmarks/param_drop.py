@@ -3,7 +3,7 @@ a static pipeline, a TP merge and precision morphing on the same 2 workers and t
 the ablations of KunServe §5.3/§5.5 (blocking exchange, coordinated exchange, lookahead, no restore).
 
     python benchmarks/param_drop.py [--num-requests 80 --kv-cache-memory 16MiB --configs dp,kunserve
-                                     --cost-profile PATH --plot param_drop.png]
+                                     --cost-profile PATH --plot out/benchmarks/param_drop.png]
 
 How the workload is chosen (every rule prints its numbers):
 
@@ -52,7 +52,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import InProcessServer, machine_description, wikitext_prompts  # noqa: E402
+from common import InProcessServer, machine_description, result_path, wikitext_prompts  # noqa: E402
 from replay import (TRACE_NAME, ReplayReport, ReplayRequest, TraceRow, TraceScale, build_requests,  # noqa: E402
                     load_trace, run_replay, scale_trace, time_scale_for_rate)
 
@@ -367,7 +367,7 @@ def run_config(name: str, args, requests, slo, hysteresis, cost_profile, bar) ->
         dep = model.deployment
         model.generate([[1, 2, 3]] * 2, max_tokens=2)   # warm-up: first forwards, native kernels
         before = counters(model)
-        capacity = sum(i.engine.scheduler.allocator.num_total for i in dep.instances) * dep.config.block_size
+        capacity = sum(i.engine.scheduler.kv.num_total for i in dep.instances) * dep.config.block_size
         topology = str(dep.topology)
         timeline = Timeline(dep)
         server = InProcessServer(lambda: model)   # its steps run in the worker processes
@@ -513,7 +513,8 @@ def main(argv=None) -> int:
                     help="`elastic-hf profile-cost` JSON for the drop configs (default: profile a small grid now "
                          "into a temp dir)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt windows and the engines")
-    ap.add_argument("--plot", default="param_drop.png", help="TTFT over arrival time per config ('' for none)")
+    ap.add_argument("--plot", default=str(result_path("param_drop.png")),
+                    help="TTFT over arrival time per config ('' for none)")
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     ap.add_argument("--prompt-scale", type=float, default=1 / 16, help="factor on trace prompt tokens")
     ap.add_argument("--output-scale", type=float, default=2.0, help="factor on trace output tokens")

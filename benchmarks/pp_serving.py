@@ -36,7 +36,7 @@ FIXED = ["[1,1]", "[2]", "[1x2]"]
 
 def _live_switch(dep) -> None:
     schedulers = [i.engine.scheduler for i in dep.instances]
-    used, total = sum(s.allocator.num_used for s in schedulers), sum(s.allocator.num_total for s in schedulers)
+    used, total = sum(s.kv.num_used for s in schedulers), sum(s.kv.num_total for s in schedulers)
     queued = sum(len(s.waiting) for s in schedulers)
     blocked = any(s.head_of_line()[1] for s in schedulers)
     now = str(dep.topology)

@@ -147,6 +147,9 @@ class EngineConfig:
     scale_down_load: float = 0.5         # split a merged instance once no long request remains and load is below
     threads_per_worker: int | None = None   # torch threads of a worker process; None: cores / workers
     start_timeout_s: float = 300.0       # how long worker processes may take to load
+    # "package.module.ClassName" mixed into every worker's class (vLLM's --worker-extension-cls): methods it adds
+    # are RPC targets of Deployment.collective_rpc / the executor; tests use it for fault drills
+    worker_extension_cls: str | None = None
     # -- precision morphing
     morph: MorphConfig = field(default_factory=MorphConfig)
     # -- overload: which response acts when the KV demand exceeds the capacity (engine/overload.py): off (each
@@ -199,6 +202,10 @@ class EngineConfig:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
         if self.start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}")
+        if self.worker_extension_cls is not None and (not isinstance(self.worker_extension_cls, str)
+                                                      or "." not in self.worker_extension_cls.strip(".")):
+            raise ValueError(f"worker_extension_cls must name a class as 'package.module.ClassName', got "
+                             f"{self.worker_extension_cls!r}")
         if isinstance(self.morph, str):
             self.morph = MorphConfig(mode=self.morph)
         elif isinstance(self.morph, dict):

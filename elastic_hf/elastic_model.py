@@ -277,8 +277,8 @@ class ElasticModel:
         totals = {key: sum(w[key] for w in workers) for key in _MEMORY_TOTALS}
         instances = self.deployment.instances
         single = workers[0] if len(workers) == 1 else {}  # one worker: its ledger and block size at the top
-        return {**single, **totals, "kv_blocks_total": sum(i.engine.scheduler.allocator.num_total for i in instances),
-                "kv_blocks_used": sum(i.engine.scheduler.allocator.num_used for i in instances),
+        return {**single, **totals, "kv_blocks_total": sum(i.engine.scheduler.kv.num_total for i in instances),
+                "kv_blocks_used": sum(i.engine.scheduler.kv.num_used for i in instances),
                 "kv_block_size": self.config.block_size, "topology": str(self.deployment.topology),
                 "workers": workers}
 

@@ -16,10 +16,9 @@ from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
 from elastic_hf.engine.sampler import (RemoteSampling, adopt_sampled, make_sampler_state, sample,
                                        token_logprobs)
 from elastic_hf.engine.sampling_params import RequestOutputKind, SamplingParams
-from elastic_hf.engine.scheduler import ScheduledSeq, Scheduler
+from elastic_hf.engine.scheduler import Scheduler
 from elastic_hf.engine.sequence import Request, Sequence, SeqStatus
-from elastic_hf.engine.step_plan import Runner, SeqStepInput
-from elastic_hf.units import ceil_div
+from elastic_hf.engine.step_plan import ModelRunnerOutput, Runner, ScheduledSeq, SchedulerOutput, SeqStepInput
 
 _RECENT_LATENCIES = 1024   # TTFT / TPOT samples kept for the next load snapshot
 
@@ -111,12 +110,11 @@ class LLMEngine:
         if bad:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
                                  param="prompt")
-        allocator = self.scheduler.allocator
-        block_size = self.scheduler.block_size
-        blocks_needed = ceil_div(num_prompt + params.max_tokens, block_size)
-        if blocks_needed > allocator.num_total:
+        kv = self.scheduler.kv
+        blocks_needed = kv.blocks_for_tokens(num_prompt + params.max_tokens)
+        if blocks_needed > kv.num_total:
             raise InvalidRequest(f"request needs {blocks_needed} KV blocks ({num_prompt} prompt + {params.max_tokens} "
-                                 f"new tokens) but the KV cache holds {allocator.num_total} blocks of {block_size} "
+                                 f"new tokens) but the KV cache holds {kv.num_total} blocks of {kv.block_size} "
                                  "tokens", param="max_tokens", code="context_length_exceeded")
 
     def abort_request(self, request_id: str) -> None:
@@ -134,48 +132,57 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        """schedule -> execute -> update_from_output, then output processing (engine/scheduler.py)."""
         for hook in self.step_boundary_hooks:
             hook(self)
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output:
             self._update_gauges()
             return []
+        runner_output = self._execute(scheduler_output)
+        self.num_steps += 1
+        touched = self._fail_sampling_errors(scheduler_output, runner_output)
+        self.num_computed_prompt_tokens += self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self._process_outputs(scheduler_output, runner_output, touched)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step on the runner and sample where the logits are: on the worker when the runner offers it and
+        no row needs the logits here (log-probabilities), else here."""
+        scheduled = scheduler_output.scheduled
         inputs = [SeqStepInput(s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens],
                                s.seq.num_computed_tokens, s.seq.block_ids, s.completes_prompt,
                                self._wants_prompt_logits(s)) for s in scheduled]
-        seqs = [s.seq for s in scheduled if s.completes_prompt]   # the step's sampling rows, in order
+        seqs = scheduler_output.sampling_seqs   # the step's sampling rows, in order
         remote = self._sampling_runner(inputs, seqs)
         if remote is not None:   # sampled where the logits are; only token ids come back
-            logits = None
             tokens, failures = adopt_sampled(remote(inputs, [RemoteSampling.of(seq) for seq in seqs]), seqs)
-        else:
-            logits = self.runner.execute(inputs)  # [rows, vocab]: see Runner.execute
-            if any(i.all_logits for i in inputs):
-                logits = self._take_prompt_logprobs(scheduled, inputs, logits)  # -> [num_sampling, vocab]
-        self.num_steps += 1
+            return ModelRunnerOutput(tokens, failures)
+        logits = self.runner.execute(inputs)  # [rows, vocab]: see Runner.execute
+        if any(i.all_logits for i in inputs):
+            logits = self._take_prompt_logprobs(scheduled, inputs, logits)  # -> [num_sampling, vocab]
+        tokens, raised = sample(logits, seqs) if seqs else ([], {})
+        failures = {row: f"{type(exc).__name__}: {exc}" for row, exc in raised.items()}
+        return ModelRunnerOutput(tokens, failures, self._sampled_logprobs(logits, seqs, tokens, failures))
 
-        for s in scheduled:
-            if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:
-                self.num_computed_prompt_tokens += min(s.num_new_tokens,
-                                                       s.seq.num_prompt_tokens - s.seq.num_computed_tokens)
-            s.seq.num_computed_tokens += s.num_new_tokens
-        if logits is not None:
-            tokens, raised = sample(logits, seqs) if seqs else ([], {})
-            failures = {row: f"{type(exc).__name__}: {exc}" for row, exc in raised.items()}
+    def _fail_sampling_errors(self, scheduler_output: SchedulerOutput,
+                              runner_output: ModelRunnerOutput) -> dict[str, Request]:
+        """A request whose sampling raised (e.g. on NaN logits) fails alone; the batch goes on. Returns the failed
+        requests by id (they get a final output this step)."""
         touched: dict[str, Request] = {}
-        for row, reason in failures.items():  # that request fails alone; the batch goes on
-            request = self.requests[seqs[row].request_id]
+        for row, reason in runner_output.failures.items():
+            request = self.requests[scheduler_output.sampling_seqs[row].request_id]
             self._fail_request(request, f"sampling failed: {reason}")
             touched[request.request_id] = request
-        if logits is not None:
-            self._record_logprobs(logits, seqs, tokens)
+        return touched
 
+    def _process_outputs(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                         touched: dict[str, Request]) -> list[RequestOutput]:
+        """Stop conditions, detokenization, latency metrics and the outputs of every request the step touched."""
         now = time.time()
-        for seq, token in zip(seqs, tokens):
+        for seq, token in zip(scheduler_output.sampling_seqs, runner_output.sampled_token_ids):
             if token is None or seq.is_finished:
                 continue
             request = self.requests[seq.request_id]
-            seq.token_ids.append(token)
             self.metrics.on_generation_tokens(1)
             self._check_finished(seq, token)
             touched[request.request_id] = request
@@ -237,15 +244,20 @@ class LLMEngine:
         return logits[sampling_rows]
 
     @staticmethod
-    def _record_logprobs(logits, seqs: list[Sequence], tokens: list[int | None]) -> None:
-        """Append each sampled token's log-probability to the sequences that asked for them (one batched call)."""
+    def _sampled_logprobs(logits, seqs: list[Sequence], tokens: list[int | None],
+                          failures: dict[int, str]) -> list | None:
+        """Each sampled token's log-probability record for the rows that asked (one batched call), None for the
+        others and for the rows of a request that failed this step; None when no row asked."""
+        failed = {seqs[row].request_id for row in failures}
         rows = [r for r, (seq, token) in enumerate(zip(seqs, tokens))
-                if token is not None and seq.params.logprobs is not None and not seq.is_finished]
+                if token is not None and seq.params.logprobs is not None and seq.request_id not in failed]
         if not rows:
-            return
+            return None
         records = token_logprobs(logits[rows], [tokens[r] for r in rows], [seqs[r].params.logprobs for r in rows])
+        out: list = [None] * len(seqs)
         for r, record in zip(rows, records):
-            seqs[r].logprobs.append(record)
+            out[r] = record
+        return out
 
     def _fail_request(self, request: Request, message: str) -> None:
         """End one request with an error (its sampling raised, e.g. on NaN logits); its blocks come back now."""
@@ -312,7 +324,7 @@ class LLMEngine:
     def adopt(self, request: Request, block_ids: dict[int, list[int]], recompute: bool = False,
               exchanging: bool = False) -> None:
         """Take over a request another engine ran (a reshape moves it here with its KV cache): block_ids maps
-        each of its sequences' seq_id to the blocks that now hold its cache in this engine's allocator. Nothing
+        each of its sequences' seq_id to the blocks that now hold its cache in this engine's KV manager. Nothing
         is recomputed; the scheduler keeps admission order. recompute=True: it comes without its KV cache (the new
         layout had no room), so its running sequences are preempted by recompute here. exchanging=True: its KV is
         still in transit (a parameter drop's exchange): its running sequences wait until release_exchanging."""
@@ -353,18 +365,18 @@ class LLMEngine:
     def load_snapshot(self) -> EngineLoad:
         """KV use, queue and the TTFT / TPOT samples since the previous snapshot (which this call drains)."""
         scheduler = self.scheduler
-        allocator = scheduler.allocator
+        kv = scheduler.kv
         head, blocked = scheduler.head_of_line()
         delay = max(0.0, time.time() - head.arrival_time) if head is not None else 0.0
         ttft, tpot = list(self._recent_ttft), list(self._recent_tpot)
         self._recent_ttft.clear()
         self._recent_tpot.clear()
-        return EngineLoad(allocator.num_used, allocator.num_total, len(scheduler.waiting), len(scheduler.running),
+        return EngineLoad(kv.num_used, kv.num_total, len(scheduler.waiting), len(scheduler.running),
                           delay, blocked, ttft, tpot)
 
     def _update_gauges(self) -> None:
-        allocator = self.scheduler.allocator
-        self.metrics.set_load(allocator.num_used, allocator.num_total, len(self.scheduler.waiting),
+        kv = self.scheduler.kv
+        self.metrics.set_load(kv.num_used, kv.num_total, len(self.scheduler.waiting),
                               len(self.scheduler.running))
         new_preemptions = self.scheduler.num_preemptions - self._reported_preemptions
         if new_preemptions:
@@ -372,8 +384,8 @@ class LLMEngine:
             self._reported_preemptions = self.scheduler.num_preemptions
 
     def stats(self) -> dict:
-        allocator = self.scheduler.allocator
-        return {"kv_blocks_used": allocator.num_used, "kv_blocks_total": allocator.num_total,
+        kv = self.scheduler.kv
+        return {"kv_blocks_used": kv.num_used, "kv_blocks_total": kv.num_total,
                 "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
                 "num_exchanging": len(self.scheduler.exchanging),
                 "num_preemptions": self.scheduler.num_preemptions, "num_requests": len(self.requests),

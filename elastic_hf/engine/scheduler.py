@@ -3,47 +3,43 @@
 Every step packs, under a token budget: one token for each running decode, the next chunk of each running
 prefill, then new requests from the waiting queue (FCFS). When KV blocks run out, the most recently admitted
 running sequence is preempted by recompute: its blocks are freed and it goes back to the front of the queue with
-its generated tokens appended to its prompt, so no output is lost."""
+its generated tokens appended to its prompt, so no output is lost.
+
+A step is three calls (engine/llm_engine.py): `schedule()` returns a typed SchedulerOutput, the executor runs it and
+returns a ModelRunnerOutput, and `update_from_output` advances every sequence it touched (computed tokens, sampled
+tokens, their log-probabilities). The blocks come from the instance's KVManager (kv/kv_manager.py), the only owner
+of KV capacity."""
 from __future__ import annotations
 
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from elastic_hf.config import EngineConfig
 from elastic_hf.engine.sequence import Sequence, SeqStatus
-from elastic_hf.kv.block_allocator import BlockAllocator
-from elastic_hf.units import ceil_div
+from elastic_hf.engine.step_plan import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from elastic_hf.kv.kv_manager import KVManager
 
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def completes_prompt(self) -> bool:
-        """True when after this step every token of the sequence is in the cache, so it samples."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator, num_stages: int = 1):
+    def __init__(self, config: EngineConfig, kv: KVManager, num_stages: int = 1):
         """Reads max_num_seqs, max_num_batched_tokens and block_size of the config. A pipeline of `num_stages`
         stages schedules that many times more per step: the step is split into one micro-batch per stage, each as
         large as a data-parallel instance's step (a drop group serves the union of its members' batches)."""
         self.max_num_seqs = config.max_num_seqs * num_stages
         self.max_num_batched_tokens = config.max_num_batched_tokens * num_stages
         self.block_size = config.block_size
-        self.allocator = allocator
+        if kv.block_size != self.block_size:
+            raise ValueError(f"the KV manager's blocks hold {kv.block_size} tokens, the config's {self.block_size}")
+        self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # KV in transit (a parameter drop's exchange, KunServe §4.2): these hold their blocks but wait, while the
-        # queue keeps running on the free blocks. Blocks of one aborted meanwhile are held until the exchange ends:
-        # the exchange still writes into them.
+        # queue keeps running on the free blocks. Blocks of one aborted meanwhile are held (KVManager.hold) until
+        # the exchange ends: the exchange still writes into them.
         self.exchanging: list[Sequence] = []
-        self._held_blocks: list[int] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -54,8 +50,7 @@ class Scheduler:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks `seq` must still get for its next `num_new_tokens` tokens."""
-        total = ceil_div(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        return max(0, total - len(seq.block_ids))
+        return self.kv.blocks_to_grow(len(seq.block_ids), seq.num_computed_tokens + num_new_tokens)
 
     def head_of_line(self) -> tuple[Sequence | None, bool]:
         """The oldest waiting sequence and whether it is blocked on KV blocks (its next chunk's blocks are not
@@ -64,13 +59,13 @@ class Scheduler:
             return None, False
         head = self.waiting[0]
         chunk = min(head.num_uncomputed_tokens, self.max_num_batched_tokens)
-        return head, not self.allocator.can_allocate(self.blocks_needed(head, chunk))
+        return head, not self.kv.can_allocate(self.blocks_needed(head, chunk))
 
     def preempt(self, seq: Sequence) -> None:
         """Preempt a running sequence by recompute: free its blocks and put it first in the queue (its generated
         tokens stay; they are prefilled again with the prompt)."""
         self.running.remove(seq)
-        self.allocator.free(seq.block_ids)
+        self.kv.free(seq.block_ids)
         self.reset_for_recompute(seq)
         self.waiting.appendleft(seq)
 
@@ -83,7 +78,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.num_preemptions += 1
 
-    def schedule(self) -> list[ScheduledSeq]:
+    def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
 
@@ -93,14 +88,14 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
             needed = self.blocks_needed(seq, num_new)
-            while not self.allocator.can_allocate(needed):
+            while not self.kv.can_allocate(needed):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 break  # seq preempted itself: nothing younger is left to run
-            seq.block_ids.extend(self.allocator.allocate(needed))
+            seq.block_ids.extend(self.kv.allocate(needed))
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             i += 1
@@ -111,17 +106,37 @@ class Scheduler:
             seq = self.waiting[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
             needed = self.blocks_needed(seq, num_new)
-            if not self.allocator.can_allocate(needed):
+            if not self.kv.can_allocate(needed):
                 break
             self.waiting.popleft()
-            seq.block_ids.extend(self.allocator.allocate(needed))
+            seq.block_ids.extend(self.kv.allocate(needed))
             seq.status = SeqStatus.RUNNING
             if seq.scheduled_time is None:   # the first admission only: a recompute does not queue anew
                 seq.scheduled_time = time.time()
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
-        return scheduled
+        return SchedulerOutput(scheduled)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> int:
+        """Advance every sequence of the step: its scheduled tokens are in the cache now, and each sampling row's
+        token (with its log-probability record, when asked) joins its sequence, unless that row failed or the
+        sequence ended meanwhile. Whether a sequence is done (EOS, stop strings, length) is the output processor's
+        call. Returns how many prompt tokens the step computed (recompute after preemption included)."""
+        num_prompt_tokens = 0
+        for s in scheduler_output.scheduled:
+            seq = s.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                num_prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += s.num_new_tokens
+        logprobs = runner_output.logprobs
+        for row, (seq, token) in enumerate(zip(scheduler_output.sampling_seqs, runner_output.sampled_token_ids)):
+            if token is None or seq.is_finished:
+                continue
+            if logprobs is not None and logprobs[row] is not None:
+                seq.logprobs.append(logprobs[row])
+            seq.token_ids.append(token)
+        return num_prompt_tokens
 
     def adopt(self, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> None:
         """Take over sequences that another scheduler ran (a reshape moves requests between instances). Both
@@ -146,8 +161,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
         self.exchanging.clear()
         self.adopt(resumed, [])
-        self.allocator.free(self._held_blocks)
-        self._held_blocks = []
+        self.kv.release_held()
         return len(resumed)
 
     def drop_exchanging(self) -> int:
@@ -155,19 +169,11 @@ class Scheduler:
         parked = list(self.exchanging)
         self.exchanging.clear()
         for seq in parked:
-            self.allocator.free(seq.block_ids)
+            self.kv.free(seq.block_ids)
             self.reset_for_recompute(seq)
         self.waiting.extendleft(reversed(sorted(parked, key=lambda s: s.seq_id)))
-        self.allocator.free(self._held_blocks)
-        self._held_blocks = []
+        self.kv.release_held()
         return len(parked)
-
-    def replace_allocator(self, allocator: BlockAllocator) -> None:
-        """Start over on a new set of blocks (a worker holding them was replaced); no running sequence may hold
-        blocks of the old one."""
-        if self.running:
-            raise RuntimeError(f"{len(self.running)} running sequences still hold blocks; preempt them first")
-        self.allocator = allocator
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Release the sequence's blocks at once (finish, stop or cancel)."""
@@ -177,10 +183,10 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.EXCHANGING:
             self.exchanging.remove(seq)
-            self._held_blocks.extend(seq.block_ids)
+            self.kv.hold(seq.block_ids)
             seq.block_ids = []
         if seq.block_ids:
-            self.allocator.free(seq.block_ids)
+            self.kv.free(seq.block_ids)
             seq.block_ids = []
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

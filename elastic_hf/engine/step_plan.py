@@ -1,10 +1,62 @@
-"""What one engine step asks of the data plane, as data: the packed sequences of the step (torch-free), and the
+"""The typed messages of one engine step (torch-free), as in vLLM v1's loop: the scheduler's `SchedulerOutput`
+(which sequences run, how many tokens each, which of them sample), the packed `SeqStepInput`s the data plane runs,
+and the `ModelRunnerOutput` that comes back (sampled ids, failures, log-probabilities, stage timings); and the
 `Runner` protocol the engine drives. A runner is the model of one worker (model/runner.py) or, in a deployment, a
 stand-in that sends the step to every worker of an instance."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from elastic_hf.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when after this step every token of the sequence is in the cache, so it samples."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step as the scheduler decided it: running sequences first (oldest first), then the admitted ones, each
+    with its chunk; `sampling_seqs` are the step's sampling rows, in that order (taken when the step is scheduled:
+    whether a chunk completes its sequence is a property of the state before the step). Iterating it yields the
+    ScheduledSeq records."""
+    scheduled: list[ScheduledSeq]
+    sampling_seqs: list[Sequence] = field(init=False)
+
+    def __post_init__(self):
+        self.sampling_seqs = [s.seq for s in self.scheduled if s.completes_prompt]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __iter__(self):
+        return iter(self.scheduled)
+
+    def __len__(self) -> int:
+        return len(self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What a step gave back, one entry per sampling row of its SchedulerOutput: the sampled token (None where
+    sampling failed: `failures` says why, and that request fails alone), its log-probability record when the
+    sequence asked for them, and the pipeline stages' timings of a pipelined step."""
+    sampled_token_ids: list[int | None]
+    failures: dict[int, str] = field(default_factory=dict)
+    logprobs: list[Any] | None = None        # TokenLogprob or None per row; None: no row asked
+    stage_stats: list[dict] | None = None
 
 
 @dataclass(slots=True)

@@ -1,5 +1,7 @@
-"""Torch-free KV block allocator. Block ids are slots of the KV arena; the set of usable slots grows and shrinks
-when a precision morph attaches or detaches pages, so the allocator tracks which slots are attached."""
+"""Torch-free KV block allocator with reference counts: the bookkeeping inside an instance's KVManager
+(kv/kv_manager.py), which is the only module that creates or changes one. Block ids are slots of the KV arena; the
+set of usable slots grows and shrinks when the workers commit or decommit pages (precision morphs, parameter
+drops), so the allocator tracks which slots are attached."""
 from __future__ import annotations
 
 from collections import deque
@@ -15,6 +17,8 @@ class BlockAllocator:
         self._attached: set[int] = set(self._free)
         if len(self._attached) != len(self._free):
             raise ValueError("block ids must be unique")
+        # holders of every block in use (a block is free exactly when it has none); sharing adds holders
+        self._refs: dict[int, int] = {}
 
     @property
     def num_total(self) -> int:
@@ -31,6 +35,9 @@ class BlockAllocator:
     def is_attached(self, block_id: int) -> bool:
         return block_id in self._attached
 
+    def ref_count(self, block_id: int) -> int:
+        return self._refs.get(block_id, 0)
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
@@ -38,14 +45,36 @@ class BlockAllocator:
         if num_blocks > len(self._free):
             raise NoFreeBlocksError(
                 f"need {num_blocks} blocks, {len(self._free)} free of {len(self._attached)}")
-        return [self._free.popleft() for _ in range(num_blocks)]
+        block_ids = [self._free.popleft() for _ in range(num_blocks)]
+        for block_id in block_ids:
+            self._refs[block_id] = 1
+        return block_ids
+
+    def share(self, block_ids: list[int]) -> None:
+        """One more holder of each block (blocks in use only)."""
+        idle = [b for b in block_ids if b not in self._refs]
+        if idle:
+            raise ValueError(f"blocks {idle[:8]} are not in use: only a held block can be shared")
+        for block_id in block_ids:
+            self._refs[block_id] += 1
 
     def free(self, block_ids: list[int]) -> None:
+        """Drop one holder of each block; a block with none left becomes allocatable."""
         for block_id in block_ids:
             if block_id not in self._attached:
                 raise ValueError(f"block {block_id} is not attached to this allocator")
+            if block_id not in self._refs:
+                raise ValueError(f"block {block_id} is freed twice (it is not in use)")
+        released = []
+        for block_id in block_ids:
+            left = self._refs[block_id] - 1
+            if left:
+                self._refs[block_id] = left
+            else:
+                del self._refs[block_id]
+                released.append(block_id)
         # Freed blocks go to the front: they are committed and hot in cache, so reuse them first.
-        self._free.extendleft(reversed(block_ids))
+        self._free.extendleft(reversed(released))
 
     def attach(self, block_ids: list[int]) -> None:
         """New slots (pages just committed) become allocatable."""

@@ -1,6 +1,6 @@
 """KV pages in an arena (the data plane's side of the KV cache). The arena reserves room for `max_blocks` blocks;
 only attached blocks are committed. Which blocks hold which sequence is the control plane's business (its
-BlockAllocator mirrors the attached ids); precision morphs attach (commit) and detach (decommit) blocks while
+KVManager mirrors the attached ids); precision morphs attach (commit) and detach (decommit) blocks while
 requests run."""
 from __future__ import annotations
 

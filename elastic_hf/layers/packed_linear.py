@@ -62,7 +62,15 @@ def _is_plain_cpu_linear(module: nn.Module) -> bool:
 
 
 def _packs(dtype: torch.dtype, numel: int) -> bool:
-    return dtype == torch.bfloat16 or (dtype == torch.float32 and numel >= MIN_ONEDNN_NUMEL)
+    return ((dtype == torch.bfloat16 and bf16_packing_available())
+            or (dtype == torch.float32 and numel >= MIN_ONEDNN_NUMEL))
+
+
+def bf16_packing_available() -> bool:
+    """oneDNN's bf16 reorder and inner product need AVX512-BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU (seen on
+    this project's CI machines too) `_reorder_linear_weight` refuses bf16, so bf16 linears keep their plain
+    weights there (ATen's bf16 GEMM)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @torch.no_grad()

@@ -1,10 +1,10 @@
 """The data plane of precision morphing on one worker (MorphServe §4.3-4.4): the layer store, the swapper and the
 worker's share of KV resizing, driven by `MorphCommand`s from the control plane's MorphManager.
 
-Who decides what: the control plane owns the block allocator, so only it knows which KV blocks are free. The worker
+Who decides what: the control plane's KV manager owns the block ids, so only it knows which KV blocks are free. The worker
 commits and decommits pages. So the worker attaches new blocks on its own (spare budget beyond the headroom; the
-new ids go back in the report and join the allocator), while blocks are detached only when the control plane sends
-their ids (it took them off its allocator first, free ones only). A swap that needs bytes the budget does not have
+new ids go back in the report and the manager grows by them), while blocks are detached only when the control plane
+sends their ids (its manager gave them up first, free ones only). A swap that needs bytes the budget does not have
 waits and reports how many it needs; the next command brings the detached blocks."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class MorphReport:
     in_flight: bool                      # copies running
     room_needed_bytes: int               # > 0: a swap waits for this many more free budget bytes
     records: list[SwapRecord]            # swaps switched by this command
-    attached_block_ids: list[int]        # KV blocks committed by this command (for the control plane's allocator)
+    attached_block_ids: list[int]        # KV blocks committed by this command (the control plane's KVManager.grow)
     counters: SwapCounters
     weights_committed_bytes: int
     kv_committed_bytes: int

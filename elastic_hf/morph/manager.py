@@ -1,7 +1,7 @@
 """MorphManager: the control plane of precision morphing for one worker's TP-1 instance (`ElasticModel.morph`,
 `/admin/morph`). At every step boundary of that instance's engine it asks the controller (if any) for a decision,
 sends swaps and detached KV blocks to the worker's MorphExecutor as a MorphCommand, and attaches the blocks the
-worker committed to the engine's allocator. With nothing to do it sends nothing: a boundary costs no RPC.
+worker committed to the engine's KV manager (the instance's one owner of KV capacity, kv/kv_manager.py). With nothing to do it sends nothing: a boundary costs no RPC.
 
 Threads: everything that touches the worker runs on the thread that drives `engine.step()`. With no driver
 (offline use: the caller's thread steps the engine) `to_precision` runs at once in the caller's thread, which is a
@@ -77,8 +77,9 @@ class MorphManager:
         self._wake = wake
 
     @property
-    def allocator(self):
-        return self.engine.scheduler.allocator
+    def kv(self):
+        """The KV manager of the bound instance."""
+        return self.engine.scheduler.kv
 
     # ------------------------------------------------------------------ control API
     def _validate(self, layers: int | Iterable[int] | str, precision: str) -> list[int]:
@@ -172,7 +173,7 @@ class MorphManager:
         return ceil_div(nbytes, self.info.block_bytes)
 
     def _can_detach(self, nbytes: int) -> bool:
-        return self.allocator.num_free >= self._blocks_for(nbytes)
+        return self.kv.num_free >= self._blocks_for(nbytes)
 
     def _sync(self, requests: list[tuple[list[int], str]], wait_copies: bool = False) -> MorphReport:
         """One MorphCommand, and a second one at once when a swap reported that it waits for room the free KV
@@ -181,7 +182,7 @@ class MorphManager:
         report = self._send(requests, [], wait_copies)
         needed = report.room_needed_bytes
         if needed > 0 and self._can_detach(needed):
-            detach = self.allocator.detach_free(self._blocks_for(needed))
+            detach = self.kv.shrink(self._blocks_for(needed))
             self.num_detached += len(detach)
             report = self._send([], detach, False)
         return report
@@ -189,7 +190,7 @@ class MorphManager:
     def _send(self, requests, detach: list[int], wait_copies: bool) -> MorphReport:
         report = self.send("morph.sync", MorphCommand(list(requests), detach, wait_copies))
         if report.attached_block_ids:
-            self.allocator.attach(report.attached_block_ids)
+            self.kv.grow(report.attached_block_ids)
             self.num_attached += len(report.attached_block_ids)
         self._report = report
         for record in report.records:
@@ -283,7 +284,7 @@ class MorphManager:
         counters = report.counters
         num_swaps = sum(counters.num_swaps.values())
         last = counters.last
-        allocator = self.allocator if self.engine is not None else None
+        kv = self.kv if self.engine is not None else None
         return {
             "worker": self.worker,
             "mode": self.mode,
@@ -294,10 +295,10 @@ class MorphManager:
                        for i in range(self.num_layers)],
             "layer_counts": self.counts(),
             "pending": list(report.pending_layers),
-            "waiting_for_kv_blocks": allocator is not None and self._waits_for_live_blocks(report),
+            "waiting_for_kv_blocks": kv is not None and self._waits_for_live_blocks(report),
             "order": self.order,
             "kv_blocks_total": report.kv_blocks,
-            "kv_blocks_used": allocator.num_used if allocator is not None else None,
+            "kv_blocks_used": kv.num_used if kv is not None else None,
             "kv_capacity_tokens": report.kv_blocks * self._block_size(),
             "kv_block_bytes": self.info.block_bytes,
             "weights_committed_bytes": report.weights_committed_bytes,

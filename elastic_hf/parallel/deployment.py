@@ -21,7 +21,7 @@ from elastic_hf.engine.routing import InstanceLoad, TPPolicy
 from elastic_hf.engine.sampler import request_seeds
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import Scheduler
-from elastic_hf.kv.block_allocator import BlockAllocator
+from elastic_hf.kv.kv_manager import KVManager
 from elastic_hf.layers.shard_layout import allowed_tp_degrees
 from elastic_hf.morph.builder import create_manager, swap_order
 from elastic_hf.morph.manager import MorphManager
@@ -64,8 +64,7 @@ class Deployment:
         self._request_ids = itertools.count()
         self.retired = dict.fromkeys(RETIRED_COUNTERS, 0)   # counters of engines replaced by reshapes
         self.reshapes: list[ReshapeReport] = []
-        self.num_recoveries = 0
-        self.num_rejected_reshapes = 0
+        self.num_recoveries = self.num_rejected_reshapes = 0
         self._scale_down_backoff = 0
         self._capacities: dict[tuple[int, ...], int] = {}
         self.long_request_ids: set[str] = set()
@@ -98,9 +97,10 @@ class Deployment:
     # ------------------------------------------------------------------ assembly
     def _start_pool(self):
         if self.config.num_workers == 1:
-            from elastic_hf.parallel.worker import Worker
+            from elastic_hf.parallel.worker import worker_class
 
-            return InProcessWorkerPool(Worker(self.config, str(self.checkpoint_dir), model_id=self.model_id))
+            worker = worker_class(self.config)(self.config, str(self.checkpoint_dir), model_id=self.model_id)
+            return InProcessWorkerPool(worker)
         from elastic_hf.model.loader import parse_dtype
         from elastic_hf.parallel.weight_store import SharedWeightStore
         from elastic_hf.patches import get_adapter
@@ -133,21 +133,21 @@ class Deployment:
                 for i, w in enumerate(workers))
         return self._capacities[key]
 
-    def _new_instance(self, key: tuple[tuple[int, ...], InstanceShape], allocator: BlockAllocator) -> Instance:
+    def _new_instance(self, key: tuple[tuple[int, ...], InstanceShape], kv: KVManager) -> Instance:
         workers, shape = key
         runner = InstanceRunner(self.pool, workers, shape, self.deployment_metrics.on_pipeline_step)
-        engine = LLMEngine(runner, Scheduler(self.config, allocator, shape.pp), self.tokenizer,
+        engine = LLMEngine(runner, Scheduler(self.config, kv, shape.pp), self.tokenizer,
                            model_id=self.model_id, max_model_len=self.max_model_len,
                            vocab_size=self.hf_config.vocab_size, eos_token_ids=self.eos_token_ids,
                            metrics=self.metrics, seq_ids=self._seq_ids, request_seeds=self._request_seeds)
-        return Instance(workers, engine, shape)
+        return Instance(workers, engine, shape, runner)
 
     def _build_instances(self, topology: Topology) -> list[Instance]:
         instances = []
         for key in topology.instance_keys():
             num_blocks = self.capacity(key)
             self.pool.call_many(key[0], "init_kv", num_blocks)
-            instances.append(self._new_instance(key, BlockAllocator(range(num_blocks))))
+            instances.append(self._new_instance(key, KVManager(num_blocks, self.config.block_size)))
         return instances
 
     def _max_model_len(self) -> int:
@@ -188,12 +188,12 @@ class Deployment:
     def loads(self) -> list[InstanceLoad]:
         out = []
         for idx, inst in enumerate(self.instances):
-            allocator = inst.engine.scheduler.allocator
+            kv = inst.engine.scheduler.kv
             num_long = sum(1 for r in inst.engine.requests if r in self.long_request_ids)
             half = inst.tp // 2 if inst.shape.pp == 1 else 0   # the elastic TP policy splits TP instances only
             split = sum(self.capacity((ws, InstanceShape(half))) for ws in (inst.workers[:half], inst.workers[half:])) \
                 if half else 0
-            out.append(InstanceLoad(idx, inst.tp, allocator.num_total, allocator.num_used, len(inst.engine.requests),
+            out.append(InstanceLoad(idx, inst.tp, kv.num_total, kv.num_used, len(inst.engine.requests),
                                     num_long, split))
         return out
 
@@ -216,9 +216,9 @@ class Deployment:
         if instance is None:
             instance = self._admit(need, is_long)
         engine = self.instances[instance].engine
-        if engine.scheduler.allocator.num_total < need and len(self.instances) > 1:
+        if engine.scheduler.kv.num_total < need and len(self.instances) > 1:
             raise InvalidRequest(f"request needs {need} KV blocks; instance {instance} of topology {self.topology} "
-                                 f"holds {engine.scheduler.allocator.num_total} and the TP policy "
+                                 f"holds {engine.scheduler.kv.num_total} and the TP policy "
                                  f"{self.policy.tp_policy!r} cannot merge further", param="max_tokens",
                                  code="context_length_exceeded")
         engine.add_request(request_id, prompt_ids, params, arrival_time=arrival_time)
@@ -374,8 +374,8 @@ class Deployment:
                 continue
             inst.engine.preempt_running()   # with the requests stalled on a KV exchange
             capacity = self.capacity(inst.key)
-            if inst.engine.scheduler.allocator.num_total != capacity:  # morphs or a drop resized it: afresh at fp
-                inst.engine.scheduler.replace_allocator(BlockAllocator(range(capacity)))
+            if inst.engine.scheduler.kv.num_total != capacity:  # morphs or a drop resized it: afresh at fp
+                inst.engine.scheduler.kv.reset(capacity)
             self.pool.call_many([w for w in inst.workers if w not in lost], "ensure_kv_blocks", capacity)
             self.pool.call_many(lost, "init_kv", capacity)
             for w in lost:

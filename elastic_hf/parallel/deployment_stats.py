@@ -10,7 +10,7 @@ def load_totals(instances) -> tuple[int, int, int, int]:
     kv_cache_usage_perc is used / attached over all of them). Sequences stalled on a KV exchange count as running:
     they hold their blocks and belong to the running batch."""
     schedulers = [i.engine.scheduler for i in instances]
-    return (sum(s.allocator.num_used for s in schedulers), sum(s.allocator.num_total for s in schedulers),
+    return (sum(s.kv.num_used for s in schedulers), sum(s.kv.num_total for s in schedulers),
             sum(len(s.waiting) for s in schedulers), sum(len(s.running) + len(s.exchanging) for s in schedulers))
 
 

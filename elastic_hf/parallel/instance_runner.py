@@ -106,9 +106,13 @@ def last_stage_fraction(shape: InstanceShape, model: CostModel) -> float:
 
 @dataclass(slots=True)
 class Instance:
+    """One instance as the plan executors see it: its workers, its engine (requests, scheduler, KV manager) and
+    the runner that sends its steps to the workers (the deployment sets the runner's lookahead; the engine only
+    drives it)."""
     workers: tuple[int, ...]
     engine: LLMEngine
-    shape: InstanceShape = InstanceShape(1)
+    shape: InstanceShape
+    runner: InstanceRunner
 
     @property
     def tp(self) -> int:

@@ -31,7 +31,7 @@ class ExchangeStats:
 
 class KVExchange:
     """One in-flight exchange over `workers` (every worker of the changed instances) for `num_layers` model layers,
-    last layer first. `instances`: the serving instances whose engines hold parked requests and whose allocators
+    last layer first. `instances`: the serving instances whose engines hold parked requests and whose KV managers
     grow when the exchange ends."""
 
     def __init__(self, pool, workers: list[int], instances: list, num_layers: int, metrics=None):
@@ -93,23 +93,22 @@ class KVExchange:
                  self.stats.seconds, self.stats.wall_seconds, resumed)
 
     def _grow(self, room: list[int]) -> None:
-        """Attach what every worker of an instance can hold now to that instance's pools and allocator; the
-        allocator never lists a block some stage has not committed."""
+        """Attach what every worker of an instance can hold now to that instance's pools and KV manager; the
+        manager never lists a block some stage has not committed."""
         by_worker = dict(zip(self.workers, room))
         for inst in self.instances:
-            allocator = inst.engine.scheduler.allocator
+            kv = inst.engine.scheduler.kv
             attached = self.pool.call_many(inst.workers, "memory_report")
             num_pool = min(r["kv_blocks"] for r in attached)
-            # The plan's allocator lists the whole capacity; only blocks every stage has committed may be handed out.
-            if allocator.num_total > num_pool:
-                allocator.detach_free(allocator.num_total - num_pool)
+            # The plan's manager lists the whole capacity; only blocks every stage has committed may be handed out.
+            kv.shrink_to(num_pool)
             want = min(by_worker.get(w, 0) for w in inst.workers)
             if want <= 0:
                 continue
             ids = self.pool.call_many(inst.workers, "exchange.attach", want)
             if any(i != ids[0] for i in ids):
                 raise RuntimeError(f"workers {inst.workers} attached different KV blocks: {[i[:4] for i in ids]}")
-            allocator.attach(ids[0])
+            kv.grow(ids[0])
 
     def abandon(self, survivors: list[int]) -> None:
         """A worker died mid-exchange: the survivors drop the KV in transit (the deployment recomputes the parked

@@ -57,8 +57,8 @@ class OverloadControl:
                 self.history.append({"event": "exchange_done", **_exchange_dict(self.exchange)})
                 self.exchange = None
         self.metrics.exchanging.set(sum(len(i.engine.scheduler.exchanging) for i in self.dep.instances))
-        errors = [i.engine.runner.last_cost_error for i in self.dep.instances
-                  if i.engine.runner.lookahead is not None and i.engine.runner.last_cost_error is not None]
+        errors = [i.runner.last_cost_error for i in self.dep.instances
+                  if i.runner.lookahead is not None and i.runner.last_cost_error is not None]
         if errors:
             self.metrics.cost_model_error.set(max(errors))
         snap = self.snapshot()
@@ -79,8 +79,8 @@ class OverloadControl:
         for inst in dep.instances:
             scheduler = inst.engine.scheduler
             queued = sum(ceil_div(len(s.token_ids) + 1, bs) for s in scheduler.waiting)
-            demand += (scheduler.allocator.num_used + queued) * bs
-            capacity += scheduler.allocator.num_total * bs
+            demand += (scheduler.kv.num_used + queued) * bs
+            capacity += scheduler.kv.num_total * bs
         base = sum(dep.capacity(key) for key in self.base_topology.instance_keys()) * bs
         gain = sum(m.gain_left_blocks() for m in dep.morph_managers.values()) * bs
         morphed = any(not m.is_full_precision() for m in dep.morph_managers.values())
@@ -130,7 +130,7 @@ class OverloadControl:
         if report is not None and self.cost_model is not None and self.policy.lookahead:
             for inst in dep.instances:
                 if inst.shape.pp > 1:
-                    inst.engine.runner.lookahead = self.cost_model   # KunServe §4.3: only while overloaded
+                    inst.runner.lookahead = self.cost_model   # KunServe §4.3: only while overloaded
         return report
 
     def tp_merge(self) -> ReshapeReport | None:

@@ -1,5 +1,5 @@
 """The reshape transaction of a deployment (ReMP §3.9, Gyges §4): change the TP x PP layout of running instances
-in place. `plan_reshape` and `resume_instances` are functions over data (schedulers, allocators, requests);
+in place. `plan_reshape` and `resume_instances` are functions over data (schedulers, KV managers, requests);
 `run_reshape` executes the phases on the workers: quiesce (the caller is between steps) -> plan -> every worker
 prepares, migrates KV, switches weights -> commit point -> resume with merged or split schedulers. A failure before
 the commit point rolls every worker back and the old instances keep serving their requests untouched; a worker lost
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elastic_hf.engine.sequence import Request
-from elastic_hf.kv.block_allocator import BlockAllocator
+from elastic_hf.kv.kv_manager import KVManager
 from elastic_hf.kv.migration_plan import BlockMove, build_migration_plan, check_plan, plan_payload_bytes
 from elastic_hf.model.loader import parse_dtype
 from elastic_hf.parallel.reshape_plan import ReshapePlan, transition_overflow
@@ -44,16 +44,16 @@ class ReshapeReport:
 
 @dataclass(slots=True)
 class RequestPlacement:
-    """Where every request of a changing instance goes, with the allocators of the new instances (a kept
-    instance's own allocator, with the blocks taken on it listed for rollback)."""
+    """Where every request of a changing instance goes, with the KV managers of the new instances (a kept
+    instance's own manager, with the blocks taken on it listed for rollback)."""
     requests: dict[int, list[Request]]
-    allocators: dict[int, BlockAllocator]
-    taken_on_kept: list[tuple[BlockAllocator, list[int]]]
+    kv_managers: dict[int, KVManager]
+    taken_on_kept: list[tuple[KVManager, list[int]]]
     preempted: list[str] = field(default_factory=list)   # request ids that go over without their KV (recompute)
 
     def release_taken(self) -> None:
-        for allocator, block_ids in self.taken_on_kept:
-            allocator.free(block_ids)
+        for kv, block_ids in self.taken_on_kept:
+            kv.free(block_ids)
 
 
 def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tuple], int],
@@ -99,36 +99,37 @@ def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int,
     new_keys, old_keys = new.instance_keys(), old.instance_keys()
     kept = {new_idx: old_keys.index(key) for new_idx, key in enumerate(new_keys) if key in old_keys}
     changing = [idx for idx in range(len(new_instances)) if idx not in kept]
-    allocators = {idx: (instances[kept[idx]].engine.scheduler.allocator if idx in kept
-                        else BlockAllocator(range(capacity(new_keys[idx])))) for idx in range(len(new_instances))}
-    num_total = {idx: allocators[idx].num_total for idx in allocators}
-    placement = RequestPlacement({idx: [] for idx in range(len(new_instances))}, allocators, [])
+    block_size = instances[0].engine.scheduler.block_size
+    kv_managers = {idx: (instances[kept[idx]].engine.scheduler.kv if idx in kept
+                         else KVManager(capacity(new_keys[idx]), block_size)) for idx in range(len(new_instances))}
+    num_total = {idx: kv_managers[idx].num_total for idx in kv_managers}
+    placement = RequestPlacement({idx: [] for idx in range(len(new_instances))}, kv_managers, [])
     moves: list[BlockMove] = []
     seq_moves: dict[int, tuple[int, int]] = {}
     try:
         for old_idx, request in _changing_requests(instances, kept):
             old_workers = set(instances[old_idx].workers)
             need = sum(len(s.block_ids) for s in request.seqs)
-            free = [idx for idx in allocators if allocators[idx].num_free >= need]
+            free = [idx for idx in kv_managers if kv_managers[idx].num_free >= need]
             local = [idx for idx in free if old_workers & set(new_instances[idx])]
             candidates = [] if request.request_id in forced else (local or free)
             preempt = not candidates and allow_preemption
             if preempt:
-                candidates = [idx for idx in allocators if num_total[idx] >= need]
+                candidates = [idx for idx in kv_managers if num_total[idx] >= need]
             if not candidates:
                 raise ValueError(f"reshape {old} -> {new}: request {request.request_id!r} holds {need} KV blocks and "
                                  f"no new instance has that many free "
-                                 f"({ {i: a.num_free for i, a in allocators.items()} } free of {num_total})")
-            dst = min(candidates, key=lambda idx: (allocators[idx].num_used / max(num_total[idx], 1), idx))
+                                 f"({ {i: m.num_free for i, m in kv_managers.items()} } free of {num_total})")
+            dst = min(candidates, key=lambda idx: (kv_managers[idx].num_used / max(num_total[idx], 1), idx))
             placement.requests[dst].append(request)
             if preempt:
                 placement.preempted.append(request.request_id)
             for seq in request.seqs:
                 seq_moves[seq.seq_id] = (old_idx, dst)
                 if seq.block_ids and not preempt:
-                    new_blocks = allocators[dst].allocate(len(seq.block_ids))
+                    new_blocks = kv_managers[dst].allocate(len(seq.block_ids))
                     if dst in kept:
-                        placement.taken_on_kept.append((allocators[dst], new_blocks))
+                        placement.taken_on_kept.append((kv_managers[dst], new_blocks))
                     moves.append(BlockMove(old_idx, dst, tuple(seq.block_ids), tuple(new_blocks)))
         # The old pools keep the live blocks of the requests that move until the commit point (rollback needs
         # them); a preempted request's blocks are given back at once.
@@ -136,7 +137,7 @@ def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int,
                               for b in s.block_ids] for old_idx, inst in enumerate(instances)}
         transfers = build_migration_plan(moves, old, new, num_kv_heads, num_layers)
         check_plan(moves, transfers, old, new, num_kv_heads, num_layers)   # ReMP §3.5.5, before anything moves
-        plan = ReshapePlan(old, new, moves, transfers, live_old, {idx: allocators[idx].num_used for idx in changing},
+        plan = ReshapePlan(old, new, moves, transfers, live_old, {idx: kv_managers[idx].num_used for idx in changing},
                            num_total, seq_moves, kept, weights_source)
     except BaseException:
         placement.release_taken()
@@ -149,7 +150,7 @@ RETIRED_COUNTERS = ("num_computed_prompt_tokens", "num_steps", "num_preemptions"
 
 def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: RequestPlacement, make_instance):
     """The instances after the commit point: kept ones keep their engine and adopt the requests moved to them; the
-    others get a new engine over their new allocator. make_instance((workers, shape), allocator) builds one. With a
+    others get a new engine over their new KV manager. make_instance((workers, shape), kv_manager) builds one. With a
     deferred-KV plan the moved requests wait in the exchanging state until their KV has arrived.
     Returns (new instances, the cumulative counters of the retired engines, RETIRED_COUNTERS: a deployment's totals
     must not fall back when an engine is replaced)."""
@@ -158,7 +159,7 @@ def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: Req
     retired = {key: sum(e.stats()[key] for e in retired_engines) for key in RETIRED_COUNTERS}
     out = []
     for idx, key in enumerate(new.instance_keys()):
-        instance = instances[plan.kept[idx]] if idx in plan.kept else make_instance(key, placement.allocators[idx])
+        instance = instances[plan.kept[idx]] if idx in plan.kept else make_instance(key, placement.kv_managers[idx])
         for request in placement.requests[idx]:
             if request.request_id in placement.preempted:
                 instance.engine.adopt(request, {}, recompute=True)

@@ -7,6 +7,7 @@ torch.distributed (gloo on CPU, NCCL on GPU, TCPStore rendezvous)."""
 from __future__ import annotations
 
 import datetime
+import importlib
 import logging
 import os
 
@@ -86,7 +87,6 @@ class Worker:
         self.exchange = KVExchangeParticipant(self) if self.is_sharded else None
         self.links: StageLinks | None = None
         self.last_pipeline_stats: dict | None = None
-        self.step_fault_armed = False
         self.apply_stage()
 
     # ------------------------------------------------------------------ assembly helpers
@@ -203,7 +203,7 @@ class Worker:
 
     def init_kv(self, num_blocks: int) -> int:
         """Create this worker's KV pool for its role in the current topology with blocks 0..num_blocks-1 attached
-        (the control plane's allocator starts with the same ids). Returns the block bytes (0 in standby)."""
+        (the control plane's KV manager starts with the same ids). Returns the block bytes (0 in standby)."""
         role = self.topology.role(self.me)
         if role is None:
             return 0
@@ -236,21 +236,12 @@ class Worker:
         if self.links is None:
             raise RuntimeError(f"worker {self.me} is not a pipeline stage in topology {self.topology}")
         role = self.topology.role(self.me)
-        runner = self.instance.runner
-        if self.step_fault_armed:
-            self.step_fault_armed = False
-            runner = _FailingRunner(self.me)
-        logits, stats = run_pipeline_step(runner, self.links, micro_batches)
+        logits, stats = run_pipeline_step(self.instance.runner, self.links, micro_batches)
         self.last_pipeline_stats = {"stage": role.stage, "busy_s": stats.busy_s, "wall_s": stats.wall_s,
                                     "bubble_ratio": stats.bubble_ratio, "sent_bytes": stats.sent_bytes}
         if not (role.is_last_stage and role.rank == 0):
             return None, self.last_pipeline_stats
         return (logits if sampling is None else sample_remote(logits, sampling)), self.last_pipeline_stats
-
-    def arm_step_fault(self) -> None:
-        """Make this worker's next pipelined step fail in its forward (a failure drill: every stage must fail that
-        step at once, well inside the collective timeout, and the next step must run)."""
-        self.step_fault_armed = True
 
     def morph_info(self):
         if self.morph is None:
@@ -292,11 +283,18 @@ class Worker:
                 dist.destroy_process_group()
 
 
-class _FailingRunner:
-    """Stands in for the runner of one step armed with Worker.arm_step_fault."""
-
-    def __init__(self, worker: int):
-        self.worker = worker
-
-    def execute(self, inputs, hidden_in=None):
-        raise RuntimeError(f"fault injected in the forward of worker {self.worker}")
+def worker_class(config: EngineConfig) -> type[Worker]:
+    """The class every worker of `config` is built from: Worker, or with config.worker_extension_cls
+    ("package.module.ClassName", vLLM's --worker-extension-cls) a subclass that mixes that class in first, so its
+    methods become RPC targets and may wrap Worker's own (super() reaches them)."""
+    name = config.worker_extension_cls
+    if name is None:
+        return Worker
+    module_name, _, class_name = name.rpartition(".")
+    try:
+        extension = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"worker_extension_cls={name!r} cannot be imported: {exc}") from exc
+    if not isinstance(extension, type):
+        raise ValueError(f"worker_extension_cls={name!r} is not a class")
+    return type(f"{extension.__name__}Worker", (extension, Worker), {})

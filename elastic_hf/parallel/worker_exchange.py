@@ -81,5 +81,5 @@ class KVExchangeParticipant:
         return max(0, min(free // pool.layout.block_bytes, pool.max_blocks - pool.num_blocks))
 
     def attach(self, num_blocks: int) -> list[int]:
-        """Commit `num_blocks` more blocks in the serving pool (lowest free slots); their ids for the allocator."""
+        """Commit `num_blocks` more blocks in the serving pool (lowest free slots); their ids for the KV manager."""
         return self.worker.pool.attach_blocks(num_blocks)

@@ -103,11 +103,11 @@ def worker_main(conn, config: EngineConfig, checkpoint_dir: str, worker_id: int,
     # No tqdm bars in workers: they print per process, and tqdm's multiprocessing lock would outlive os._exit.
     from transformers.utils import logging as hf_logging
 
-    from elastic_hf.parallel.worker import Worker
+    from elastic_hf.parallel.worker import worker_class
 
     hf_logging.disable_progress_bar()
     try:
-        worker = Worker(config, checkpoint_dir, worker_id=worker_id, model_id=model_id, store=store,
+        worker = worker_class(config)(config, checkpoint_dir, worker_id=worker_id, model_id=model_id, store=store,
                         master_port=master_port)
     except BaseException as exc:  # report the start failure instead of leaving the driver waiting
         conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))

@@ -17,7 +17,7 @@ import torch
 from elastic_hf.config import EngineConfig
 from elastic_hf.engine.cost_model import Chunk, Sample
 from elastic_hf.engine.step_plan import SeqStepInput
-from elastic_hf.kv.block_allocator import BlockAllocator
+from elastic_hf.kv.kv_manager import KVManager
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.memory import default_page_size
 from elastic_hf.model.instance import build_instance, load_model, worker_device
@@ -78,7 +78,7 @@ class MicroBatchTimer:
         self.instance = build_instance(config, loaded, lambda budget, page: PlacedWeights.place(
             loaded.hf_model, loaded.layers, budget, loaded.device, page))
         self.instance.set_pool(self.instance.new_pool(1, 0, max_blocks))
-        self.allocator = BlockAllocator(range(max_blocks))
+        self.kv = KVManager(max_blocks, block_size)
         self.block_size = block_size
         self.num_layers = loaded.num_layers
         self.max_positions = int(getattr(loaded.hf_config, "max_position_embeddings", 1 << 30))
@@ -94,11 +94,11 @@ class MicroBatchTimer:
     def run_once(self, chunks: list[Chunk]) -> float:
         """Seconds of one forward of the micro-batch on fresh KV blocks (freed after)."""
         needed = self.blocks_for(chunks, self.block_size)
-        if needed > self.allocator.num_total:
+        if needed > self.kv.num_total:
             raise ValueError(f"a micro-batch of {len(chunks)} chunks needs {needed} KV blocks; the timer holds "
-                             f"{self.allocator.num_total}")
+                             f"{self.kv.num_total}")
         inputs = [SeqStepInput([self.rng.randrange(self.vocab_size) for _ in range(c.tokens)], c.prefix,
-                               self.allocator.allocate(ceil_div(c.prefix + c.tokens, self.block_size)), c.sampled)
+                               self.kv.allocate(self.kv.blocks_for_tokens(c.prefix + c.tokens)), c.sampled)
                   for c in chunks]
         try:
             started = time.perf_counter()
@@ -108,7 +108,7 @@ class MicroBatchTimer:
             return time.perf_counter() - started
         finally:
             for seq in inputs:
-                self.allocator.free(seq.block_ids)
+                self.kv.free(seq.block_ids)
 
     def time(self, chunks: list[Chunk], repeats: int = 3, warmup: int = 1) -> float:
         """Median seconds of `repeats` forwards after `warmup` untimed ones."""

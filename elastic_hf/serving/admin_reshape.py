@@ -45,11 +45,11 @@ def admin_reshape_router(model, async_engine, admin_key: str | None) -> APIRoute
         for idx, inst in enumerate(deployment.instances):
             shape = inst.shape
             bounds = shape.stage_bounds(deployment.num_layers)
-            allocator = inst.engine.scheduler.allocator
+            kv = inst.engine.scheduler.kv
             instances.append({"index": idx, "workers": list(inst.workers), "tp": shape.tp, "pp": shape.pp,
                               "stages": [{"workers": list(ws), "layers": list(bounds[s])}
                                          for s, ws in enumerate(topology.stages(idx))],
-                              "kv_blocks_total": allocator.num_total, "kv_blocks_used": allocator.num_used,
+                              "kv_blocks_total": kv.num_total, "kv_blocks_used": kv.num_used,
                               "num_requests": len(inst.engine.requests)})
         standby = [w for w in range(deployment.config.num_workers) if topology.role(w) is None]
         return {"topology": as_json(topology), "text": str(topology), "num_layers": deployment.num_layers,

@@ -123,4 +123,4 @@ def test_failing_sampling_fails_its_request_alone(tiny):
         if i != 4:
             assert finished[f"r{i}"].error is None
             assert finished[f"r{i}"].outputs[0].token_ids == hf_greedy(reference, prompt, 10)
-    assert engine.scheduler.allocator.num_used == 0
+    assert engine.scheduler.kv.num_used == 0

@@ -7,7 +7,7 @@ from elastic_hf.engine.overload import RETRY_BACKOFF_STEPS, OverloadArbiter, Ove
 from elastic_hf.engine.scheduler import Scheduler
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.sequence import Sequence, SeqStatus
-from elastic_hf.kv.block_allocator import BlockAllocator
+from elastic_hf.kv.kv_manager import KVManager
 
 BASE = 1000
 
@@ -97,10 +97,10 @@ def _seq(seq_id, num_tokens=20):
 
 def _parked(seq_ids):
     """A scheduler over 8 blocks with the given sequences prefilled (2 blocks each) and parked for an exchange."""
-    scheduler = Scheduler(EngineConfig(block_size=16), BlockAllocator(range(8)))
+    scheduler = Scheduler(EngineConfig(block_size=16), KVManager(8, 16))
     parked = [_seq(i) for i in seq_ids]
     for seq in parked:
-        seq.block_ids = scheduler.allocator.allocate(2)
+        seq.block_ids = scheduler.kv.allocate(2)
         seq.num_computed_tokens = 20
     scheduler.park_exchanging(parked)
     return scheduler, parked
@@ -113,14 +113,14 @@ def test_exchanging_sequences_hold_their_blocks_and_wait():
     assert [s.seq.seq_id for s in scheduled] == [2] and scheduler.has_work()   # the queue runs meanwhile
     # Aborting a parked sequence does not free its blocks while the exchange may still write them.
     scheduler.finish(parked[1], "abort")
-    assert scheduler.allocator.num_free == 8 - 4 - 2
+    assert scheduler.kv.num_free == 8 - 4 - 2
     assert scheduler.release_exchanging() == 1
-    assert parked[0].status is SeqStatus.RUNNING and scheduler.allocator.num_free == 8 - 2 - 2
+    assert parked[0].status is SeqStatus.RUNNING and scheduler.kv.num_free == 8 - 2 - 2
     assert [s.seq_id for s in scheduler.running] == [0, 2]   # admission order
 
 
 def test_a_lost_exchange_recomputes_the_parked_sequences():
     scheduler, parked = _parked([3, 1])
     assert scheduler.drop_exchanging() == 2
-    assert scheduler.allocator.num_free == 8 and [s.seq_id for s in scheduler.waiting] == [1, 3]
+    assert scheduler.kv.num_free == 8 and [s.seq_id for s in scheduler.waiting] == [1, 3]
     assert all(s.num_computed_tokens == 0 and s.status is SeqStatus.WAITING for s in parked)

@@ -3,23 +3,22 @@ from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.config import EngineConfig
 from elastic_hf.engine.scheduler import Scheduler
 from elastic_hf.engine.sequence import Sequence, SeqStatus
-from elastic_hf.kv.block_allocator import BlockAllocator
+from elastic_hf.engine.step_plan import ModelRunnerOutput
+from elastic_hf.kv.kv_manager import KVManager
 
 
 def _seq(i, prompt_len):
     return Sequence(i, f"r{i}", 0, list(range(prompt_len)), prompt_len, SamplingParams(max_tokens=100), 0.0)
 
 
-def _advance(scheduled):
-    for s in scheduled:
-        s.seq.num_computed_tokens += s.num_new_tokens
-        if s.seq.num_computed_tokens == len(s.seq.token_ids):
-            s.seq.token_ids.append(7)  # a sampled token
+def _advance(sched, scheduled):
+    """What the engine does with a step's result: every sampling row gets the token 7."""
+    sched.update_from_output(scheduled, ModelRunnerOutput([7] * len(scheduled.sampling_seqs)))
 
 
 def test_chunked_prefill_respects_token_budget():
     config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=10, block_size=4)
-    sched = Scheduler(config, BlockAllocator(range(32)))
+    sched = Scheduler(config, KVManager(32, 4))
     a, b = _seq(0, 25), _seq(1, 3)
     sched.add(a), sched.add(b)
     steps = []
@@ -27,7 +26,7 @@ def test_chunked_prefill_respects_token_budget():
         scheduled = sched.schedule()
         assert sum(s.num_new_tokens for s in scheduled) <= 10
         steps.append([(s.seq.seq_id, s.num_new_tokens) for s in scheduled])
-        _advance(scheduled)
+        _advance(sched, scheduled)
     assert steps[0] == [(0, 10)]
     assert steps[1] == [(0, 10)]
     assert steps[2] == [(0, 5), (1, 3)]
@@ -35,11 +34,11 @@ def test_chunked_prefill_respects_token_budget():
 
 def test_preemption_by_recompute_frees_blocks_and_requeues_youngest():
     config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4)
-    sched = Scheduler(config, BlockAllocator(range(4)))
+    sched = Scheduler(config, KVManager(4, 4))
     old, young = _seq(0, 8), _seq(1, 7)
     sched.add(old), sched.add(young)
-    _advance(sched.schedule())  # both admitted: 2 + 2 blocks, 9 and 8 tokens now
-    assert sched.allocator.num_free == 0
+    _advance(sched, sched.schedule())  # both admitted: 2 + 2 blocks, 9 and 8 tokens now
+    assert sched.kv.num_free == 0
     scheduled = sched.schedule()  # old needs a third block: young is preempted
     assert [s.seq for s in scheduled] == [old]
     assert young.status is SeqStatus.WAITING and young.num_computed_tokens == 0 and young.block_ids == []
@@ -48,7 +47,7 @@ def test_preemption_by_recompute_frees_blocks_and_requeues_youngest():
 
 
 def test_finish_releases_blocks_at_once():
-    alloc = BlockAllocator(range(8))
+    alloc = KVManager(8, 4)
     sched = Scheduler(EngineConfig(block_size=4), alloc)
     seq = _seq(0, 10)
     sched.add(seq)
@@ -59,14 +58,14 @@ def test_finish_releases_blocks_at_once():
 
 
 def test_max_num_seqs_caps_admission():
-    sched = Scheduler(EngineConfig(max_num_seqs=2, block_size=4), BlockAllocator(range(64)))
+    sched = Scheduler(EngineConfig(max_num_seqs=2, block_size=4), KVManager(64, 4))
     for i in range(5):
         sched.add(_seq(i, 3))
     assert len(sched.schedule()) == 2 and len(sched.waiting) == 3
 
 
 def test_adopted_sequences_keep_admission_order():
-    sched = Scheduler(EngineConfig(block_size=4), BlockAllocator(range(64)))
+    sched = Scheduler(EngineConfig(block_size=4), KVManager(64, 4))
     mine = [_seq(i, 3) for i in (0, 4)]
     for seq in mine:
         sched.add(seq)

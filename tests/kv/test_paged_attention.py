@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_hf.kv import paged_attention
-from elastic_hf.kv.block_allocator import BlockAllocator
+from elastic_hf.kv.kv_manager import KVManager
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_attention import paged_attention_forward
@@ -26,12 +26,12 @@ class _Layer(torch.nn.Module):
 
 
 def _pool(num_blocks=64, num_layers=2):
-    """(pool, allocator): the pool's pages and the control plane's allocator over the same block ids."""
+    """(pool, kv manager): the pool's pages and the control plane's KV manager over the same block ids."""
     layout = KVLayout(num_layers, NUM_KV_HEADS, HEAD_DIM, BLOCK, torch.float32, 4096)
     budget = MemoryBudget(1 << 30)
     arena = create_arena("cpu", num_blocks * layout.block_bytes, budget, "kv")
     pool = KVPagePool(layout, arena, num_blocks, num_blocks)
-    return pool, BlockAllocator(pool.attached_ids())
+    return pool, KVManager(pool.num_blocks, BLOCK)
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -99,7 +99,7 @@ def test_decodes_over_chunk_gather_match_sdpa_for_odd_head_dim_and_equal_lengths
     assert layout.block_bytes % layout.chunk_bytes == 0 and layout.block_bytes % 4096 == 0
     arena = create_arena("cpu", 16 * layout.block_bytes, MemoryBudget(1 << 30), "kv")
     pool = KVPagePool(layout, arena, 16, 16)
-    allocator = BlockAllocator(pool.attached_ids())
+    allocator = KVManager(pool.num_blocks, BLOCK)
     layer = _Layer(2)
     n = 8  # two full blocks: no padded position, so no score bias
     k_full = [torch.randn(NUM_KV_HEADS, n, head_dim) for _ in range(2)]

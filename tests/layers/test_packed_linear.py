@@ -9,8 +9,8 @@ from torch import nn
 
 from elastic_hf import ElasticModel
 from elastic_hf.config import EngineConfig
-from elastic_hf.layers.packed_linear import (FusedMemberLinear, PackedLinear, fusable, pack_fused, pack_linear,
-                                             packing_available, takes_packing)
+from elastic_hf.layers.packed_linear import (FusedMemberLinear, PackedLinear, bf16_packing_available, fusable,
+                                             pack_fused, pack_linear, packing_available, takes_packing)
 from elastic_hf.model.loader import load_hf_model
 from elastic_hf.parallel.worker import rss_anon_bytes
 from greedy_reference import hf_greedy, mixed_prompts
@@ -18,12 +18,16 @@ from greedy_reference import hf_greedy, mixed_prompts
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch build without oneDNN weight packing")
 
 MAX_NEW = 10
+# oneDNN packs bf16 weights only on CPUs with AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU refuses)
+needs_bf16_packing = pytest.mark.skipif(not bf16_packing_available(),
+                                        reason="this CPU has no oneDNN bf16 packing (needs AVX-512 BW/VL/DQ)")
+BF16 = pytest.param(torch.bfloat16, marks=needs_bf16_packing)
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (4, 576), (1, 32, 576), (3, 17, 576)])
 def test_packed_bf16_is_bit_identical_and_fp32_close(shape):
     torch.manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in ((torch.bfloat16,) if bf16_packing_available() else ()) + (torch.float32,):
         linear = nn.Linear(576, 1536).to(dtype)
         x = torch.randn(*shape).to(dtype)
         expected = linear(x)
@@ -36,7 +40,7 @@ def test_packed_bf16_is_bit_identical_and_fp32_close(shape):
             assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_members_give_their_own_results(dtype, bias):
     """q/k/v-shaped members (576 -> 576, 192, 192), with biases as Qwen2 has: each member's output through the one
@@ -62,6 +66,7 @@ def test_fused_members_give_their_own_results(dtype, bias):
         assert members[0].fused._output is None and members[0].fused._input is None   # every member read it
 
 
+@needs_bf16_packing
 def test_fused_product_is_recomputed_for_a_new_input():
     """A member called with another tensor than the pending product's input gets its own product (an interrupted
     forward leaves nothing stale), and the product is computed once for the members that share an input."""
@@ -89,7 +94,7 @@ def test_fused_product_is_recomputed_for_a_new_input():
 
 def test_what_fuses():
     bf16 = [nn.Linear(64, n).to(torch.bfloat16) for n in (64, 16, 16)]
-    assert fusable(bf16)
+    assert fusable(bf16) == bf16_packing_available()                              # where oneDNN packs bf16
     assert not fusable(bf16[:1])                                                   # one member: nothing to fuse
     assert not fusable([nn.Linear(576, 192), nn.Linear(576, 192)])                  # fp32 stack below the rule
     assert fusable([nn.Linear(576, 576), nn.Linear(576, 192), nn.Linear(576, 192)])  # k/v join q in fp32
@@ -98,7 +103,8 @@ def test_what_fuses():
 
 
 def test_which_linears_pack():
-    assert takes_packing(nn.Linear(64, 64).to(torch.bfloat16))           # bf16: every size gains
+    # bf16: every size gains, where oneDNN packs bf16 at all
+    assert takes_packing(nn.Linear(64, 64).to(torch.bfloat16)) == bf16_packing_available()
     assert not takes_packing(nn.Linear(576, 192))                          # small fp32: ATen is faster
     assert takes_packing(nn.Linear(576, 576))
     assert not takes_packing(nn.Linear(576, 576).to(torch.float16))
@@ -123,7 +129,7 @@ def _fused_members(model):
     return [m for m in model.worker.hf_model.modules() if type(m) is FusedMemberLinear]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16_packing)])
 @pytest.mark.parametrize("tied", [False, True])
 def test_engine_on_packed_weights_keeps_greedy_tokens_and_memory(checkpoints, dtype, tied):
     path = checkpoints[tied]

@@ -53,7 +53,7 @@ def test_ledger_moves_exactly_the_region_bytes_and_the_kv_cache_takes_them(model
     # every byte beyond the headroom became KV blocks, in the worker's pool and in the engine's allocator
     headroom = model.worker.morph.headroom_bytes
     assert model.worker.pool.num_blocks > blocks_before
-    assert model.instances[0].engine.scheduler.allocator.num_total == model.worker.pool.num_blocks
+    assert model.instances[0].engine.scheduler.kv.num_total == model.worker.pool.num_blocks
     assert headroom <= model.worker.budget.free_bytes < headroom + _block_bytes(model)
     model.morph.to_precision("all", "fp")
     assert model.worker.pool.num_blocks == blocks_before and model.worker.budget.used_bytes("weights") == weights_before
@@ -112,17 +112,17 @@ def test_restore_waits_for_live_kv_blocks(tiny_checkpoint):
         engine.add_request(f"hog-{k}", list(range(1 + k, 181 + k)), SamplingParams(max_tokens=8, ignore_eos=True))
     while engine.scheduler.waiting:
         engine.step()
-    free = model.instances[0].engine.scheduler.allocator.num_free
+    free = model.instances[0].engine.scheduler.kv.num_free
     missing = (model.worker.weights.placement.layers[0].nbytes + model.worker.morph.headroom_bytes
                - model.worker.budget.free_bytes)
     assert free < -(-missing // _block_bytes(model))
     state = model.morph.to_precision("all", "fp")
     assert state["pending"] and state["waiting_for_kv_blocks"] and state["layer_counts"]["w4"] == 3
-    assert model.instances[0].engine.scheduler.allocator.num_free == free          # nothing was detached for a restore that waits
+    assert model.instances[0].engine.scheduler.kv.num_free == free          # nothing was detached for a restore that waits
     while engine.has_unfinished_requests():
         engine.step()                                  # the hook retries the restore at every boundary
     assert model.morph.state()["layer_counts"]["fp"] == 3
-    assert model.instances[0].engine.scheduler.allocator.num_used == 0
+    assert model.instances[0].engine.scheduler.kv.num_used == 0
     assert_bit_identical(model, original)
 
 

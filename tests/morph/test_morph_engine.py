@@ -148,7 +148,7 @@ def test_forced_morphs_never_touch_running_requests(tiny_checkpoint):
                      for n, p in model.worker.loaded.layers[i].named_parameters()}
         for name, value in untouched.items():
             assert torch.equal(remaining[name], value)
-        assert engine.scheduler.allocator.num_used == sum(len(s.block_ids) for s in engine.scheduler.running)
+        assert engine.scheduler.kv.num_used == sum(len(s.block_ids) for s in engine.scheduler.running)
     finished = [o for o in outputs if o.finished]
     assert len(finished) == 4 and all(len(o.outputs[0].token_ids) == 24 for o in finished)
     assert engine.scheduler.num_preemptions == 0

@@ -38,7 +38,7 @@ def test_each_worker_morphs_its_own_layers_and_grows_its_own_kv(setup):
     assert freed > 0 and after[1]["kv_blocks"] > before[1]["kv_blocks"]
     # the KV cache took what the weights gave up, down to the headroom and less than one block
     assert after[1]["free_bytes"] - after[1]["headroom_bytes"] < after[1]["kv_block_bytes"]
-    assert model.instances[1].engine.scheduler.allocator.num_total == after[1]["kv_blocks"]
+    assert model.instances[1].engine.scheduler.kv.num_total == after[1]["kv_blocks"]
     assert after[0] == {**before[0], "rss_bytes": after[0]["rss_bytes"], "rss_anon_bytes": after[0]["rss_anon_bytes"]}
     assert model.morph.state(0)["layer_counts"]["fp"] == 3       # worker 0 untouched
     assert len(_tokens(model, prompts)) == len(prompts)            # instance 1 now decodes with W4 layers
@@ -70,7 +70,7 @@ def test_reshape_is_refused_while_a_restore_waits_for_live_kv_blocks(setup):
 
     dep = model.deployment
     model.morph.to_precision("all", "w4", instance=0)
-    allocator = model.instances[0].engine.scheduler.allocator
+    allocator = model.instances[0].engine.scheduler.kv
     # Fill instance 0's grown cache with live blocks: restoring a layer (~100 blocks of fp weights) then needs
     # blocks that are in use.
     length = model.max_model_len - MAX_NEW

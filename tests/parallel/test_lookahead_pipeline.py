@@ -38,7 +38,7 @@ def test_lookahead_pipeline_matches_hf_greedy_and_really_splits(pp_checkpoint, m
     monkeypatch.setattr(instance_runner, "lookahead_micro_batches", recording)
     with ElasticModel.from_pretrained(pp_checkpoint, workers=2, topology="1x2", kv_cache_memory=4 << 20,
                                       max_num_batched_tokens=48) as model:
-        runner = model.deployment.instances[0].engine.runner
+        runner = model.deployment.instances[0].runner
         runner.lookahead = COST
         outputs = model.generate(prompts, max_tokens=MAX_NEW) + model.generate(alone, max_tokens=MAX_NEW)
         assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(reference, p, MAX_NEW)

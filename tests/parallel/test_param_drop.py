@@ -121,7 +121,7 @@ def test_drop_frees_the_layers_bytes_for_kv_blocks(drop_checkpoint, reference):
         ids = [dep.add_request(None, p, params) for p in prompts]
         run.step(2)
         before = model.memory_report()["workers"]
-        blocks_before = sum(i.engine.scheduler.allocator.num_total for i in dep.instances)
+        blocks_before = sum(i.engine.scheduler.kv.num_total for i in dep.instances)
         assert model.drop() is not None
         after = model.memory_report()["workers"]   # at the commit point: the old pools still hold live KV
         page = dep.pool.call(0, "info")["page_size"]
@@ -137,7 +137,7 @@ def test_drop_frees_the_layers_bytes_for_kv_blocks(drop_checkpoint, reference):
         # After the exchange the old pools are gone: every byte a stage does not spend on weights is KV blocks.
         final = model.memory_report()["workers"]
         group = dep.instances[0]
-        assert group.engine.scheduler.allocator.num_total == dep.capacity(group.key) > blocks_before
+        assert group.engine.scheduler.kv.num_total == dep.capacity(group.key) > blocks_before
         limiting = min(final, key=lambda r: r["kv_blocks"])
         spare = limiting["budget_bytes"] - limiting["weights_bytes"] - limiting["kv_bytes"]
         assert spare < limiting["kv_block_bytes"], limiting

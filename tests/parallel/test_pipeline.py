@@ -7,6 +7,7 @@ from elastic_hf import ElasticModel
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.model.loader import load_hf_model
 from elastic_hf.parallel.reshape import ReshapeAborted
+import fault_injection
 from deployment_steps import run_steps
 from greedy_reference import hf_greedy, mixed_prompts
 
@@ -70,7 +71,8 @@ def pp_setup(pp_checkpoint):
     prompts = mixed_prompts(tokenizer, 6, 3, 90, seed=23)
     expected = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
     # A 48-token step budget keeps some prompts mid-prefill (chunked) when a reshape starts.
-    model = ElasticModel.from_pretrained(path, workers=2, kv_cache_memory=1 << 20, max_num_batched_tokens=48)
+    model = ElasticModel.from_pretrained(path, workers=2, kv_cache_memory=1 << 20, max_num_batched_tokens=48,
+                                         worker_extension_cls=fault_injection.EXTENSION)
     yield model.deployment, prompts, expected
     model.close()
 
@@ -135,7 +137,7 @@ def test_workers_sample_and_return_token_ids(pp_setup, pp_checkpoint):
     for target in ([1, 1], ["1x2"]):
         if str(dep.topology) != str(dep.check_topology(target)):
             assert dep.reshape(target).committed
-        runners = [instance.engine.runner for instance in dep.instances]
+        runners = [instance.runner for instance in dep.instances]
         for runner in runners:
             runner.execute = _no_logits
         try:

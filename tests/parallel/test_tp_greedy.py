@@ -38,7 +38,7 @@ def test_tp2_started_directly_with_uneven_kv_heads_and_biases_matches_hf(tp_chec
         ids = prompts[-1][1:] + out.outputs[0].token_ids
         got = [r.logprob for r in out.prompt_logprobs[1:] + out.outputs[0].logprobs]
         assert got == pytest.approx([float(expected[i, t]) for i, t in enumerate(ids)], abs=1e-3)
-        num_blocks = model.instances[0].engine.scheduler.allocator.num_total
+        num_blocks = model.instances[0].engine.scheduler.kv.num_total
         assert [r["kv_blocks"] for r in model.memory_report()["workers"]] == [num_blocks, num_blocks]
 
 

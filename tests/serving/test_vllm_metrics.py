@@ -134,7 +134,7 @@ def test_gauges_of_a_deployment_cover_every_instance(tiny_checkpoint):
                    for family in text_string_to_metric_families(dep.metrics.render().decode())
                    for s in family.samples}
         labels = frozenset({"model_name": model.model_id, "engine": "0"}.items())
-        allocators = [inst.engine.scheduler.allocator for inst in dep.instances]
+        allocators = [inst.engine.scheduler.kv for inst in dep.instances]
         used, total = sum(a.num_used for a in allocators), sum(a.num_total for a in allocators)
         assert len(allocators) == 2 and all(a.num_used for a in allocators)
         assert samples[("vllm:kv_cache_usage_perc", labels)] == pytest.approx(used / total)
