@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description  # noqa: E402
 from cpu_gemm import best_time  # noqa: E402
 
-from elastic_hf.kv.paged_attention import decode_attention  # noqa: E402
+from elastic_hf.kv.attention_backends import decode_attention  # noqa: E402
 from elastic_hf.native.paged_decode import native_decode_available, paged_decode_attention  # noqa: E402
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16   # SmolLM2-135M, block_size 16

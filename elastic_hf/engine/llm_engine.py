@@ -9,13 +9,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from elastic_hf.engine.detokenizer import Detokenizer
 from elastic_hf.engine.errors import InvalidRequest
+from elastic_hf.engine.input_processor import EngineRequest, InputProcessor
 from elastic_hf.engine.metrics import EngineMetrics
-from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
+from elastic_hf.engine.output_processor import OutputProcessor
+from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.engine.sampler import (RemoteSampling, adopt_sampled, make_sampler_state, sample,
                                        token_logprobs)
-from elastic_hf.engine.sampling_params import RequestOutputKind, SamplingParams
+from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import Scheduler
 from elastic_hf.engine.sequence import Request, Sequence, SeqStatus
 from elastic_hf.engine.step_plan import ModelRunnerOutput, Runner, ScheduledSeq, SchedulerOutput, SeqStepInput
@@ -39,7 +40,8 @@ class EngineLoad:
 class LLMEngine:
     def __init__(self, runner: Runner, scheduler: Scheduler, tokenizer, *, model_id: str, max_model_len: int,
                  vocab_size: int, eos_token_ids: list[int], metrics: EngineMetrics | None = None,
-                 seq_ids: Iterator[int] | None = None, request_seeds: Iterator[int] | None = None):
+                 seq_ids: Iterator[int] | None = None, request_seeds: Iterator[int] | None = None,
+                 input_processor: InputProcessor | None = None):
         """seq_ids: where sequence ids come from; engines that exchange sequences (the instances of a deployment)
         share one counter so ids stay unique and keep meaning admission order. request_seeds: the seed of each
         accepted request that brings none (a server's --seed: the instances share one stream, so the k-th request
@@ -52,7 +54,9 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.metrics = metrics or EngineMetrics(model_id, max_model_len=max_model_len)
-        self.detokenizer = Detokenizer(tokenizer)
+        self.input_processor = input_processor or InputProcessor(tokenizer, vocab_size=vocab_size,
+                                                                 max_model_len=max_model_len)
+        self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, max_model_len)
         self.requests: dict[str, Request] = {}
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count()
         self._request_seeds = request_seeds
@@ -69,18 +73,15 @@ class LLMEngine:
         self._recent_tpot: deque[float] = deque(maxlen=_RECENT_LATENCIES)
 
     # ------------------------------------------------------------------ requests
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return list(prompt)
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int] | EngineRequest,
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> None:
+        """prompt: an EngineRequest the input processor made, or text / token ids it processes now."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        prompt_ids = self.tokenize(prompt)
-        self._validate(prompt_ids, params)
-        now = arrival_time if arrival_time is not None else time.time()
+        request = prompt if isinstance(prompt, EngineRequest) else self.input_processor.process(
+            prompt, params, request_id, arrival_time)
+        prompt_ids, params, now = request.prompt_token_ids, request.params, request.arrival_time
+        self._check_kv_capacity(prompt_ids, params)
         seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_ids), len(prompt_ids), params, now)
                 for i in range(params.n)]
         fallback_seed = next(self._request_seeds) if self._request_seeds is not None else None
@@ -94,22 +95,10 @@ class LLMEngine:
         self.metrics.on_prompt_tokens(len(prompt_ids))
         self._update_gauges()
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _check_kv_capacity(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """What depends on this instance: the whole request must fit its KV cache (the input processor checked
+        the rest)."""
         num_prompt = len(prompt_ids)
-        if num_prompt == 0:
-            raise InvalidRequest("prompt is empty: it must contain at least one token", param="prompt")
-        if num_prompt > self.max_model_len:
-            raise InvalidRequest(f"prompt has {num_prompt} tokens but max_model_len is {self.max_model_len}",
-                                 param="prompt", code="context_length_exceeded")
-        if num_prompt + params.max_tokens > self.max_model_len:
-            raise InvalidRequest(f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens exceeds "
-                                 f"max_model_len={self.max_model_len}; ask for at most "
-                                 f"{self.max_model_len - num_prompt} tokens", param="max_tokens",
-                                 code="context_length_exceeded")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
-                                 param="prompt")
         kv = self.scheduler.kv
         blocks_needed = kv.blocks_for_tokens(num_prompt + params.max_tokens)
         if blocks_needed > kv.num_total:
@@ -184,7 +173,9 @@ class LLMEngine:
                 continue
             request = self.requests[seq.request_id]
             self.metrics.on_generation_tokens(1)
-            self._check_finished(seq, token)
+            reason = self.output_processor.finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
             touched[request.request_id] = request
         for request in touched.values():
             if request.error is not None:
@@ -266,60 +257,12 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "error")
 
-    def _check_finished(self, seq: Sequence, token: int) -> None:
-        params = seq.params
-        reason = None
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            reason = "stop"
-            # The EOS / stop token is not part of the text; keep it out of the output like OpenAI does.
-            seq.token_ids.pop()
-            if len(seq.logprobs) > seq.num_output_tokens:
-                seq.logprobs.pop()
-        stopped_by_string = self.detokenizer.update(seq)
-        if reason is None and stopped_by_string:
-            reason = "stop"
-        if reason is None and (seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
-            reason = "length"
-        if reason is not None:
-            if not stopped_by_string:
-                self.detokenizer.finish(seq)
-            self.scheduler.finish(seq, reason)
-
     def _make_output(self, request: Request) -> RequestOutput | None:
-        """The request's output after this step, in its params.output_kind; None for a FINAL_ONLY request that is
-        still running. DELTA and FINAL_ONLY touch only what is new, so their per-step cost does not grow with the
-        output's length (CUMULATIVE copies the whole output each time, as asked)."""
-        finished = request.is_finished
-        kind = request.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        completions = [self._completion(seq, kind) for seq in request.seqs]
-        if finished:
-            request.finish_time = time.time()
+        output = self.output_processor.request_output(request)
+        if request.is_finished and output is not None:
             del self.requests[request.request_id]
             self.metrics.on_request_finished("error" if request.error else request.seqs[0].finish_reason, request)
-        return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished,
-                             request.arrival_time, request.first_token_time, request.finish_time,
-                             request.prompt_logprobs, request.error)
-
-    def _completion(self, seq: Sequence, kind: RequestOutputKind) -> CompletionOutput:
-        """One sequence's output; advances what it has emitted."""
-        end = self.detokenizer.emittable_length(seq, seq.is_finished)
-        first_new = seq.num_prompt_tokens + seq.num_emitted_tokens   # index in token_ids of the first new token
-        delta_ids = seq.token_ids[first_new:]
-        delta_text = seq.text[seq.num_emitted_chars:end]
-        wants_logprobs = seq.params.logprobs is not None
-        delta_logprobs = seq.logprobs[seq.num_emitted_tokens:] if wants_logprobs else None
-        if kind is RequestOutputKind.DELTA:
-            text, token_ids, logprobs = delta_text, delta_ids, delta_logprobs
-        else:
-            text, token_ids = seq.text[:end], seq.output_token_ids
-            logprobs = list(seq.logprobs) if wants_logprobs else None
-        seq.num_emitted_chars = end
-        seq.num_emitted_tokens += len(delta_ids)
-        return CompletionOutput(index=seq.index, text=text, token_ids=token_ids, delta_text=delta_text,
-                                delta_token_ids=delta_ids, finish_reason=seq.finish_reason, logprobs=logprobs,
-                                delta_logprobs=delta_logprobs)
+        return output
 
     def adopt(self, request: Request, block_ids: dict[int, list[int]], recompute: bool = False,
               exchanging: bool = False) -> None:

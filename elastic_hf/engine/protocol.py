@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from elastic_hf.engine.input_processor import EngineRequest, InputProcessor
 from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.engine.sampling_params import SamplingParams
@@ -14,11 +15,13 @@ class EngineCore(Protocol):
     max_model_len: int
     tokenizer: Any
     metrics: EngineMetrics
+    input_processor: InputProcessor   # validates and tokenizes (any thread): EngineRequests for add_request
     num_steps: int          # steps that ran a forward pass; unchanged by a step() that scheduled nothing
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Raises InvalidRequest (a ValueError) for bad input; nothing else changes then."""
+    def add_request(self, request_id: str, prompt: str | list[int] | EngineRequest,
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> None:
+        """Raises InvalidRequest (a ValueError) for bad input; nothing else changes then. An EngineRequest carries
+        its params and arrival time."""
         ...
 
     def abort_request(self, request_id: str) -> None:

@@ -10,9 +10,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.units import ceil_div
+
+if TYPE_CHECKING:
+    from elastic_hf.kv.attention_backends import AttentionBackend
 
 
 @dataclass(slots=True)
@@ -75,6 +80,8 @@ class PagedBatch:
     prefills: list[PrefillSlice]
     decodes: DecodeGroup | None
     num_tokens: int
+    # the instance's attention backend (kv/attention_backends.py), chosen once at build: it runs every layer
+    backend: "AttentionBackend"
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
 
 
@@ -136,9 +143,15 @@ def is_batched_decode(num_computed: int, num_new_tokens: int, sliding_window: in
 
 
 def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
-                      sliding_window: int | None = None) -> PagedBatch:
+                      sliding_window: int | None = None, backend: AttentionBackend | None = None) -> PagedBatch:
     """seqs: (num_computed_before, num_new_tokens, block_ids) per sequence, in packed order. Index math runs on
-    the CPU; the results move to the pool's device once."""
+    the CPU; the results move to the pool's device once. backend: the instance's (AttentionBackend.build_metadata
+    passes itself); None: the one choose_attention_backend picks for the pool (tests and tools)."""
+    if backend is None:
+        from elastic_hf.kv.attention_backends import choose_attention_backend
+
+        lo = pool.layout
+        backend = choose_attention_backend(pool.rows.device, lo.dtype, lo.head_dim, lo.block_size)
     block_size = pool.layout.block_size
     new_positions: list[int] = []
     new_blocks: list[int] = []
@@ -182,9 +195,8 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
             raise ValueError(f"decodes must be contiguous in the packed batch, got rows {decode_rows[:8]}...")
         decodes = _decode_group(pool, decode_rows[0], decode_tables, decode_lens)
     device = pool.rows.device
-    groups = []
+    groups = prefill_groups(prefills, device) if backend.groups_prefills else []
     if device.type != "cpu":
-        groups = prefill_groups(prefills, device)
         write_k_rows = write_k_rows.to(device, non_blocking=True)
         for p in prefills:
             p.k_rows = None if p.k_rows is None else p.k_rows.to(device, non_blocking=True)
@@ -192,4 +204,4 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
         if decodes is not None:
             decodes.chunk_ids = decodes.chunk_ids.to(device, non_blocking=True)
             decodes.lens = decodes.lens.to(device, non_blocking=True)
-    return PagedBatch(pool, write_k_rows, prefills, decodes, row, groups)
+    return PagedBatch(pool, write_k_rows, prefills, decodes, row, backend, groups)

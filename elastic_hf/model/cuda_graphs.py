@@ -40,10 +40,12 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, layers: nn.ModuleList, max_batch: int, device: torch.device):
+    def __init__(self, model: nn.Module, layers: nn.ModuleList, max_batch: int, device: torch.device, attention):
+        """attention: the instance's AttentionBackend (the Triton one: instance.py captures graphs only with it)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
+        self.attention = attention
         self.layers = layers
         self.device = device
         self.sizes = capture_sizes(max_batch)
@@ -94,7 +96,7 @@ class DecodeGraphs:
                            # read `lens` may be captured (the Triton one: instance.py requires it for graphs, and
                            # a KV dtype unlike the model's, which would take the torch path, is refused below)
                            DecodeGroup(0, b["table"][:size].view(-1), size, self.table_blocks * lo.block_size,
-                                       b["lens"][:size], all_full=True), size)
+                                       b["lens"][:size], all_full=True), size, self.attention)
 
         def forward() -> None:
             out = self.model(input_ids=b["input_ids"][:, :size], position_ids=b["positions"][:, :size],

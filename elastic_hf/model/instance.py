@@ -19,7 +19,8 @@ from elastic_hf.config import EngineConfig
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.migration_plan import head_range
 from elastic_hf.kv.page_pool import KVPagePool
-from elastic_hf.kv.paged_attention import load_native_attention, register_paged_attention
+from elastic_hf.kv.attention_backends import choose_attention_backend
+from elastic_hf.kv.paged_attention import register_paged_attention
 from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.layers.native_norm import use_native_norms
 from elastic_hf.layers.native_rotary import use_native_rotary
@@ -28,9 +29,9 @@ from elastic_hf.layers.swiglu_mlp import use_swiglu_mlps
 from elastic_hf.memory import MemoryBudget, create_arena, default_page_size, device_total_bytes
 from elastic_hf.memory.host_malloc import tune_host_malloc
 from elastic_hf.native.argmax import native_argmax_available
-from elastic_hf.native.triton_paged import triton_paged_available
 from elastic_hf.model.loader import parse_dtype
 from elastic_hf.model.runner import ModelRunner
+from elastic_hf.model.weight_placement import WeightLayout
 from elastic_hf.patches import ArchAdapter, get_adapter
 from elastic_hf.units import format_bytes, parse_memory_budget
 
@@ -84,9 +85,9 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype | str, device: tor
 @dataclass(slots=True, eq=False)
 class ModelInstance:
     """One worker's data plane. weights: PlacedWeights or ShardedWeights (committed_bytes, shard_bytes(tp, rank),
-    fp_region(layer), slot(layer, precision), arena)."""
+    fp_region(layer), slot(layer, precision), arena: the WeightLayout protocol)."""
     loaded: LoadedModel
-    weights: object
+    weights: WeightLayout
     budget: MemoryBudget
     page_size: int
     block_size: int
@@ -131,7 +132,7 @@ class ModelInstance:
         self.runner.pool = pool
 
 
-WeightsFactory = Callable[[MemoryBudget, int], object]   # (budget, page_size) -> placed weights
+WeightsFactory = Callable[[MemoryBudget, int], WeightLayout]   # (budget, page_size) -> placed weights
 
 
 def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: WeightsFactory, *,
@@ -143,7 +144,6 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     device = loaded.device
     if device.type == "cpu":
         tune_host_malloc()   # activations reuse freed heap memory instead of faulting it in every step
-        load_native_attention(loaded.dtype, device)
         native_argmax_available()   # greedy sampling's kernel, built now rather than in the first step
     page_size = config.page_size or default_page_size(device)
     budget = MemoryBudget(_UNSIZED_BUDGET)
@@ -174,12 +174,14 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
         total = tp1_bytes + config.kv_bytes_per_worker + headroom_bytes
     else:
         total = parse_memory_budget(config.memory_budget, device_total_bytes(device))
-    runner = ModelRunner(loaded.hf_model, None, getattr(loaded.hf_config, "sliding_window", None))
+    attention = choose_attention_backend(device, loaded.dtype, loaded.head_dim, config.block_size)
+    log.info("attention backend: %s", attention.name)
+    runner = ModelRunner(loaded.hf_model, None, attention, getattr(loaded.hf_config, "sliding_window", None))
     if device.type == "cuda" and not config.enforce_eager:
         if config.num_workers > 1:
             log.info("CUDA graphs are off in a deployment of %d worker processes: their steps run eagerly",
                      config.num_workers)
-        elif not triton_paged_available(device, loaded.head_dim, config.block_size):
+        elif attention.name != "triton":
             log.warning("CUDA graphs need Triton's paged KV kernels (Triton installed; power-of-two head_dim and "
                         "block_size, here %d and %d): decode steps run eagerly", loaded.head_dim, config.block_size)
         else:

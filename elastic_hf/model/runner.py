@@ -12,8 +12,9 @@ import logging
 import torch
 from torch import nn
 
+from elastic_hf.kv.attention_backends import AttentionBackend
 from elastic_hf.kv.page_pool import KVPagePool
-from elastic_hf.kv.paged_batch import build_paged_batch, is_batched_decode
+from elastic_hf.kv.paged_batch import is_batched_decode
 from elastic_hf.model.cuda_graphs import DecodeGraphs, GraphCaptureError
 from elastic_hf.model.stage import StageSpec, StageView
 
@@ -22,10 +23,13 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, pool: KVPagePool | None, sliding_window: int | None = None):
-        """pool: None until the worker's KV pool exists (a deployment sizes it after start)."""
+    def __init__(self, model: nn.Module, pool: KVPagePool | None, attention: AttentionBackend,
+                 sliding_window: int | None = None):
+        """pool: None until the worker's KV pool exists (a deployment sizes it after start). attention: the
+        instance's backend, chosen once at build (kv/attention_backends.py)."""
         self.model = model
         self.pool = pool
+        self.attention = attention
         self.sliding_window = sliding_window
         self.device = next(model.parameters()).device
         self.stage_view: StageView | None = None
@@ -33,7 +37,7 @@ class ModelRunner:
 
     def use_cuda_graphs(self, layers: nn.ModuleList, max_batch: int) -> None:
         """Replay decode-only steps of up to `max_batch` sequences as CUDA graphs (model/cuda_graphs.py)."""
-        self.decode_graphs = DecodeGraphs(self.model, layers, max_batch, self.device)
+        self.decode_graphs = DecodeGraphs(self.model, layers, max_batch, self.device, self.attention)
 
     @property
     def stage(self) -> StageSpec | None:
@@ -71,7 +75,7 @@ class ModelRunner:
             elif seq.needs_logits:
                 logit_rows.append(len(input_ids) - 1)
                 logit_owner.append(i)
-        batch = build_paged_batch(
+        batch = self.attention.build_metadata(
             self.pool, [(inputs[i].num_computed, len(inputs[i].token_ids), inputs[i].block_ids) for i in order],
             self.sliding_window)
         graphs = self.decode_graphs

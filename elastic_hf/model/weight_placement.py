@@ -10,11 +10,13 @@ reading and without a detour through full precision. Without slots (`slot_bytes=
 one of a model that never morphs.
 
 `PlacedWeights` is the weights object of a single-worker instance; a tensor-parallel worker uses
-parallel/shard_transform.ShardedWeights instead. Both answer the same questions: committed bytes, the bytes of a
-TP shard, and (for precision morphing) each layer's fp region and quant slots."""
+parallel/shard_transform.ShardedWeights instead. Both implement `WeightLayout`: committed bytes, the replicated
+bytes, the bytes of a TP shard, and (for precision morphing) each layer's fp region and quant slots. Callers depend
+on that protocol, never on which class they hold."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -133,6 +135,25 @@ def place_weights(model: nn.Module, layers: nn.ModuleList, arena: PageArena,
     return placement
 
 
+class WeightLayout(Protocol):
+    """What a worker's weights answer, placed whole (PlacedWeights) or as a TP/PP shard (ShardedWeights)."""
+    arena: PageArena
+
+    @property
+    def committed_bytes(self) -> int: ...
+
+    @property
+    def shared_bytes(self) -> int:
+        """Committed bytes of the replicated weights (embeddings, final norm, untied LM head)."""
+        ...
+
+    def shard_bytes(self, tp: int, rank: int, layers: tuple[int, int] | None = None) -> int: ...
+
+    def fp_region(self, layer: int) -> ArenaRange: ...
+
+    def slot(self, layer: int, precision: str) -> ArenaRange: ...
+
+
 class PlacedWeights:
     """The weights of a single-worker instance in one arena: a shared range plus one page-aligned range per decoder
     layer (with reserved quant slots when the instance morphs)."""
@@ -157,6 +178,10 @@ class PlacedWeights:
     @property
     def committed_bytes(self) -> int:
         return self.arena.committed_bytes
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.placement.shared.nbytes
 
     def shard_bytes(self, tp: int, rank: int, layers: tuple[int, int] | None = None) -> int:
         """Committed bytes as shard (tp, rank): a single worker only runs TP1 over every layer, each fp region

@@ -16,7 +16,8 @@ from elastic_hf.engine.errors import InvalidRequest
 from elastic_hf.engine.llm_engine import LLMEngine
 from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.outputs import RequestOutput
-from elastic_hf.engine.request_limits import check_request_limits, resolve_max_model_len
+from elastic_hf.engine.input_processor import EngineRequest, InputProcessor
+from elastic_hf.engine.request_limits import check_queue_capacity, resolve_max_model_len
 from elastic_hf.engine.routing import InstanceLoad, TPPolicy
 from elastic_hf.engine.sampler import request_seeds
 from elastic_hf.engine.sampling_params import SamplingParams
@@ -27,12 +28,14 @@ from elastic_hf.morph.builder import create_manager, swap_order
 from elastic_hf.morph.manager import MorphManager
 from elastic_hf.morph.metrics import MorphMetrics
 from elastic_hf.parallel.instance_runner import Instance, InstanceRunner
-from elastic_hf.parallel.deployment_stats import deployment_stats, load_totals
+from elastic_hf.parallel.deployment_stats import deployment_stats, instance_loads, load_totals
 from elastic_hf.parallel.metrics import DeploymentMetrics
 from elastic_hf.parallel.overload_control import OverloadControl
 from elastic_hf.parallel.reshape import (RETIRED_COUNTERS, ReshapeAborted, ReshapeReport, resume_instances,
                                         run_reshape)
-from elastic_hf.parallel.worker_pool import InProcessWorkerPool, ProcessWorkerPool, WorkerError
+from elastic_hf.parallel.executor import Executor
+from elastic_hf.parallel.worker import Worker, worker_class
+from elastic_hf.parallel.worker_pool import InProcessExecutor, MultiprocessExecutor, WorkerError
 from elastic_hf.topology import InstanceShape, Topology, candidate_topologies, parse_topology
 from elastic_hf.units import ceil_div
 
@@ -73,12 +76,14 @@ class Deployment:
         self.policy = TPPolicy(config, self.degrees)
         self.morph_managers: dict[int, MorphManager] = {}
         self.overload: OverloadControl | None = None
-        self.pool = None
+        self.pool: Executor | None = None   # the executor of the workers (parallel/executor.py)
         self.instances: list[Instance] = []
         try:
             self.pool = self._start_pool()
-            self.tp1_blocks = self.pool.call(0, "kv_capacity", 1, 0)  # "long": more than a TP1 instance holds
+            self.tp1_blocks = self.pool.call(0, Worker.kv_capacity, 1, 0)  # "long": more than a TP1 instance holds
             self.max_model_len = self._max_model_len()
+            self.input_processor = InputProcessor.for_config(config, tokenizer, hf_config.vocab_size,
+                                                             self.max_model_len)
             # One set of request metrics across every instance engine (engines come and go with reshapes), whose
             # gauges always show the whole deployment; the deployment's and the morph metrics live in the same
             # registry, so one /metrics page shows all.
@@ -95,19 +100,17 @@ class Deployment:
             raise
 
     # ------------------------------------------------------------------ assembly
-    def _start_pool(self):
+    def _start_pool(self) -> Executor:
         if self.config.num_workers == 1:
-            from elastic_hf.parallel.worker import worker_class
-
             worker = worker_class(self.config)(self.config, str(self.checkpoint_dir), model_id=self.model_id)
-            return InProcessWorkerPool(worker)
+            return InProcessExecutor(worker)
         from elastic_hf.model.loader import parse_dtype
         from elastic_hf.parallel.weight_store import SharedWeightStore
         from elastic_hf.patches import get_adapter
 
         store = SharedWeightStore.from_checkpoint(self.checkpoint_dir, get_adapter(self.hf_config),
                                                   self.hf_config.num_hidden_layers, parse_dtype(self.config.dtype))
-        return ProcessWorkerPool(self.config, str(self.checkpoint_dir), self.model_id, store)
+        return MultiprocessExecutor(self.config, str(self.checkpoint_dir), self.model_id, store)
 
     def check_topology(self, value) -> Topology:
         """The topology `value` names, if it is a candidate (layer splits of pipelined instances aside) whose
@@ -128,7 +131,7 @@ class Deployment:
             workers, shape = key
             bounds = shape.stage_bounds(self.num_layers)
             self._capacities[key] = min(
-                self.pool.call(w, "kv_capacity", shape.tp, i % shape.tp,
+                self.pool.call(w, Worker.kv_capacity, shape.tp, i % shape.tp,
                                bounds[i // shape.tp] if shape.pp > 1 else None)
                 for i, w in enumerate(workers))
         return self._capacities[key]
@@ -139,14 +142,15 @@ class Deployment:
         engine = LLMEngine(runner, Scheduler(self.config, kv, shape.pp), self.tokenizer,
                            model_id=self.model_id, max_model_len=self.max_model_len,
                            vocab_size=self.hf_config.vocab_size, eos_token_ids=self.eos_token_ids,
-                           metrics=self.metrics, seq_ids=self._seq_ids, request_seeds=self._request_seeds)
+                           metrics=self.metrics, seq_ids=self._seq_ids, request_seeds=self._request_seeds,
+                           input_processor=self.input_processor)
         return Instance(workers, engine, shape, runner)
 
     def _build_instances(self, topology: Topology) -> list[Instance]:
         instances = []
         for key in topology.instance_keys():
             num_blocks = self.capacity(key)
-            self.pool.call_many(key[0], "init_kv", num_blocks)
+            self.pool.collective_rpc(Worker.init_kv, (num_blocks,), key[0])
             instances.append(self._new_instance(key, KVManager(num_blocks, self.config.block_size)))
         return instances
 
@@ -161,7 +165,7 @@ class Deployment:
     def _start_morph(self) -> None:
         morph_metrics = MorphMetrics(self.metrics.registry)
         for w in range(self.config.num_workers):
-            info = self.pool.call(w, "morph_info")
+            info = self.pool.call(w, Worker.morph_info)
             order = swap_order(self.config.morph, self.hf_config, info.num_layers)
             send = (lambda method, *args, worker=w: self.pool.call(worker, method, *args))
             self.morph_managers[w] = create_manager(self.config.morph, send, w, info, order, morph_metrics)
@@ -186,32 +190,27 @@ class Deployment:
         return self.retired["num_computed_prompt_tokens"] + live
 
     def loads(self) -> list[InstanceLoad]:
-        out = []
-        for idx, inst in enumerate(self.instances):
-            kv = inst.engine.scheduler.kv
-            num_long = sum(1 for r in inst.engine.requests if r in self.long_request_ids)
-            half = inst.tp // 2 if inst.shape.pp == 1 else 0   # the elastic TP policy splits TP instances only
-            split = sum(self.capacity((ws, InstanceShape(half))) for ws in (inst.workers[:half], inst.workers[half:])) \
-                if half else 0
-            out.append(InstanceLoad(idx, inst.tp, kv.num_total, kv.num_used, len(inst.engine.requests),
-                                    num_long, split))
-        return out
+        """What the routing policy reads of every instance."""
+        return instance_loads(self.instances, self.capacity, self.long_request_ids)
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, instance: int | None = None) -> str:
-        """Route a request (Gyges Alg. 1, engine/routing.py). Under the elastic TP policy a request that no instance
-        can hold first merges instances (x2, a reshape at this step boundary). Returns the request id."""
-        params = params or SamplingParams(temperature=0.0)
-        request_id = request_id or f"dep-{next(self._request_ids)}"
+    def add_request(self, request_id: str | None, prompt: str | list[int] | EngineRequest,
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    instance: int | None = None) -> str:
+        """Route a request (Gyges Alg. 1, engine/routing.py). `prompt`: text or token ids (validated here by the
+        input processor), or the EngineRequest it already made (the server's input thread). Only a valid request
+        is routed: under the elastic TP policy one that no instance can hold first merges instances (x2, a reshape
+        at this step boundary). Returns the request id."""
+        request = prompt if isinstance(prompt, EngineRequest) else self.input_processor.process(
+            prompt, params or SamplingParams(temperature=0.0), request_id, arrival_time)
+        params = request.params
+        request_id = request_id or request.request_id or f"dep-{next(self._request_ids)}"
         if any(request_id in inst.engine.requests for inst in self.instances):
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         if instance is not None and not 0 <= instance < len(self.instances):
             raise InvalidRequest(f"instance must be in [0, {len(self.instances)}) for topology {self.topology}, "
                                  f"got {instance}", param="instance")
-        check_request_limits(self.config, params, sum(len(i.engine.scheduler.waiting) for i in self.instances))
-        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) \
-            else list(prompt)
-        need = ceil_div(len(prompt_ids) + params.max_tokens, self.config.block_size) * params.n
+        check_queue_capacity(self.config, params, sum(len(i.engine.scheduler.waiting) for i in self.instances))
+        need = ceil_div(len(request.prompt_token_ids) + params.max_tokens, self.config.block_size) * params.n
         is_long = need > self.tp1_blocks
         if instance is None:
             instance = self._admit(need, is_long)
@@ -221,7 +220,7 @@ class Deployment:
                                  f"holds {engine.scheduler.kv.num_total} and the TP policy "
                                  f"{self.policy.tp_policy!r} cannot merge further", param="max_tokens",
                                  code="context_length_exceeded")
-        engine.add_request(request_id, prompt_ids, params, arrival_time=arrival_time)
+        engine.add_request(request_id, request)
         if is_long:
             self.long_request_ids.add(request_id)
         return request_id
@@ -260,10 +259,10 @@ class Deployment:
         busy = [i for i in self.instances if i.engine.has_unfinished_requests()]
         outputs, errors = [], []
         started, self.deployment_metrics.last_stage_busy_s = time.perf_counter(), None
-        if len(busy) == 1 or self.pool.executor is None:
+        if len(busy) == 1 or self.pool.step_threads is None:
             steps = [inst.engine.step for inst in busy]
         else:
-            futures = [self.pool.executor.submit(inst.engine.step) for inst in busy]
+            futures = [self.pool.step_threads.submit(inst.engine.step) for inst in busy]
             steps = [future.result for future in futures]
         for step in steps:
             try:
@@ -271,7 +270,7 @@ class Deployment:
             except WorkerError as exc:  # that instance's step did not happen; its scheduler state is retryable
                 errors.append(exc)
         if errors:
-            if not self.pool.dead_workers():
+            if not self.pool.check_health():
                 raise errors[0]
             self.recover()
         self._maybe_scale_down()
@@ -281,7 +280,7 @@ class Deployment:
         try:
             self.overload.on_step(self.deployment_metrics.last_stage_busy_s or ran)
         except WorkerError:   # a group member died mid-exchange: its requests are recomputed
-            if not self.pool.dead_workers():
+            if not self.pool.check_health():
                 raise
             self.recover()
         self.metrics.set_load(*self._load_totals())   # a reshape in this step may have changed the instances
@@ -317,7 +316,7 @@ class Deployment:
 
     def memory_report(self) -> list[dict]:
         """Every worker's ledger (committed bytes per owner, KV blocks, RSS)."""
-        return self.pool.call_many(range(self.config.num_workers), "memory_report")
+        return self.pool.collective_rpc(Worker.memory_report)
 
     # ------------------------------------------------------------------ reshape and recovery
     def reshape(self, target, weights_source: str | None = None, allow_preemption: bool = False,
@@ -363,7 +362,7 @@ class Deployment:
     def recover(self) -> list[int]:
         """Replace dead worker processes under the current topology. Requests of an instance that lost a worker lost
         part of their KV and are recomputed (preemption); every other instance continues untouched."""
-        dead = self.pool.dead_workers()
+        dead = self.pool.check_health()
         if not dead:
             return []
         self.overload.on_workers_lost(dead)
@@ -376,8 +375,8 @@ class Deployment:
             capacity = self.capacity(inst.key)
             if inst.engine.scheduler.kv.num_total != capacity:  # morphs or a drop resized it: afresh at fp
                 inst.engine.scheduler.kv.reset(capacity)
-            self.pool.call_many([w for w in inst.workers if w not in lost], "ensure_kv_blocks", capacity)
-            self.pool.call_many(lost, "init_kv", capacity)
+            self.pool.collective_rpc(Worker.ensure_kv_blocks, (capacity,), [w for w in inst.workers if w not in lost])
+            self.pool.collective_rpc(Worker.init_kv, (capacity,), lost)
             for w in lost:
                 if w in self.morph_managers:
                     self.morph_managers[w].bind(None)

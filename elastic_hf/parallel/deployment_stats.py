@@ -1,6 +1,9 @@
 """Read-only views of a deployment for metrics and `stats()`: totals over every instance engine."""
 from __future__ import annotations
 
+from elastic_hf.engine.routing import InstanceLoad
+from elastic_hf.topology import InstanceShape
+
 TOTALS = ("kv_blocks_used", "kv_blocks_total", "num_waiting", "num_running", "num_exchanging", "num_requests",
           "num_steps", "num_preemptions")
 
@@ -12,6 +15,20 @@ def load_totals(instances) -> tuple[int, int, int, int]:
     schedulers = [i.engine.scheduler for i in instances]
     return (sum(s.kv.num_used for s in schedulers), sum(s.kv.num_total for s in schedulers),
             sum(len(s.waiting) for s in schedulers), sum(len(s.running) + len(s.exchanging) for s in schedulers))
+
+
+def instance_loads(instances, capacity, long_request_ids: set[str]) -> list[InstanceLoad]:
+    """What the routing policy reads of each instance: KV capacity and use, requests, long ones, and the KV its
+    halves would hold after a split (capacity(key) of a (workers, shape) key)."""
+    out = []
+    for idx, inst in enumerate(instances):
+        kv = inst.engine.scheduler.kv
+        num_long = sum(1 for r in inst.engine.requests if r in long_request_ids)
+        half = inst.tp // 2 if inst.shape.pp == 1 else 0   # the elastic TP policy splits TP instances only
+        split = sum(capacity((ws, InstanceShape(half))) for ws in (inst.workers[:half], inst.workers[half:])) \
+            if half else 0
+        out.append(InstanceLoad(idx, inst.tp, kv.num_total, kv.num_used, len(inst.engine.requests), num_long, split))
+    return out
 
 
 def deployment_stats(deployment) -> dict:

@@ -43,13 +43,13 @@ class InstanceRunner:
 
     def _run(self, inputs, sampling):
         if self.shape.pp == 1:
-            return self.pool.call_many(self.workers, "execute", inputs, sampling)[0]
+            return self.pool.execute_model(self.workers, inputs, sampling)
         model = self.lookahead
         if model is not None:
             micro_batches = lookahead_micro_batches(inputs, self.shape, model)
         else:
             micro_batches = split_micro_batches(inputs, self.shape.pp)
-        results = self.pool.call_many(self.workers, "execute_pipeline", micro_batches, sampling)
+        results = self.pool.execute_pipeline(self.workers, micro_batches, sampling)
         if self.on_pipeline_step is not None:
             self.on_pipeline_step([stats for _, stats in results], self.workers)
         logits, last_stats = results[(self.shape.pp - 1) * self.shape.tp]   # last stage, rank 0

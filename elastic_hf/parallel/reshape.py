@@ -204,7 +204,7 @@ def run_reshape(deployment, target, weights_source: str | None = None, allow_pre
     except WorkerError as exc:
         placement.release_taken()
         for w in workers:
-            if w in pool.dead_workers():
+            if w in pool.check_health():
                 continue  # a dead worker has nothing to roll back; it is replaced below
             try:
                 pool.call(w, "reshape.abort")
@@ -224,7 +224,7 @@ def run_reshape(deployment, target, weights_source: str | None = None, allow_pre
     try:
         pool.call_many(workers, "reshape.commit")
     except WorkerError:
-        if not pool.dead_workers():
+        if not pool.check_health():
             raise
         lost = True
     deployment.resume(new, plan, placement)

@@ -162,8 +162,7 @@ class Worker:
         return {"worker": self.me, "num_kv_heads": loaded.num_kv_heads, "num_layers": loaded.num_layers,
                 "degrees": list(self.degrees), "page_size": self.instance.page_size,
                 "budget_bytes": self.budget.total_bytes, "weights_tp1_bytes": self.weights.shard_bytes(1, 0),
-                "replicated_weights_bytes": (self.weights.shared_bytes if self.is_sharded
-                                             else self.weights.placement.shared.nbytes),
+                "replicated_weights_bytes": self.weights.shared_bytes,
                 "headroom_bytes": self.instance.headroom_bytes, "device": str(self.device),
                 "lm_head_bytes": head.numel() * head.element_size(),
                 "kv_block_bytes_tp1": self.instance.kv_layout(1, 0).block_bytes}

@@ -1,7 +1,7 @@
-"""How the control plane reaches its workers: one RPC entry point, `call(worker, method, *args)`, over either the
-one worker of a single-worker model (in this process, a direct call) or worker processes (spawned, a pipe each,
-death detection and replacement). `method` may name a sub-object of the Worker ("morph.sync"); private names are
-refused. Only small control data travels through the pipes; tensors between workers use torch.distributed."""
+"""The two executors of parallel/executor.py: the one worker of a single-worker model (in this process, a direct
+call) and worker processes (spawned, a pipe each, death detection and replacement). A method may name a sub-object
+of the Worker ("morph.sync"); private names are refused. Only small control data travels through the pipes;
+tensors between workers use torch.distributed."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,11 +10,13 @@ import os
 import signal
 import socket
 import traceback
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from elastic_hf.config import EngineConfig
+from elastic_hf.parallel.executor import Executor, resolve_method, rpc_name
 
 log = logging.getLogger(__name__)
 
@@ -27,44 +29,29 @@ class WorkerError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
-def resolve_method(worker, method: str):
-    """The bound method a dotted RPC name points at on `worker`; AttributeError for private or unknown names."""
-    target = worker
-    for part in method.split("."):
-        if not part or part.startswith("_"):
-            raise AttributeError(f"worker has no RPC method {method!r}")
-        target = getattr(target, part, None)
-        if target is None:
-            raise AttributeError(f"worker has no RPC method {method!r}")
-    if not callable(target):
-        raise AttributeError(f"worker has no RPC method {method!r}")
-    return target
-
-
-class InProcessWorkerPool:
-    """The single worker of a one-worker model, driven by direct calls (exceptions keep their type)."""
+class InProcessExecutor(Executor):
+    """The single worker of a one-worker model, driven by direct calls (exceptions keep their type); steps run in
+    the caller's thread."""
 
     def __init__(self, worker):
         self.worker = worker
         self.num_workers = 1
         self.crosses_processes = False   # results come back as the objects the worker made: no pipe to spare
-        self.executor = None   # one instance: steps run in the caller's thread
 
-    def call(self, worker: int, method: str, *args):
-        if worker != 0:
-            raise ValueError(f"worker must be 0 in a single-worker model, got {worker}")
-        return resolve_method(self.worker, method)(*args)
+    def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None) -> list:
+        workers = (0,) if workers is None else tuple(workers)
+        if any(w != 0 for w in workers):
+            raise ValueError(f"workers must be 0 in a single-worker model, got {list(workers)}")
+        target = resolve_method(self.worker, rpc_name(method))
+        return [target(*args) for _ in workers]
 
-    def call_many(self, workers, method: str, *args) -> list:
-        return [self.call(w, method, *args) for w in workers]
-
-    def dead_workers(self) -> list[int]:
+    def check_health(self) -> list[int]:
         return []
 
     def replace(self, dead: list[int], topology: tuple[int, ...]) -> None:
         raise RuntimeError("an in-process worker cannot die without its process")
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         self.worker.shutdown()
 
 
@@ -128,9 +115,9 @@ def worker_main(conn, config: EngineConfig, checkpoint_dir: str, worker_id: int,
             os._exit(0)  # skip interpreter teardown (seconds with torch loaded); the arenas die with the process
 
 
-class ProcessWorkerPool:
-    """One process per worker (spawn), a pipe to each. `call_many` sends to every worker first and then collects,
-    so the ranks of one instance run a step concurrently."""
+class MultiprocessExecutor(Executor):
+    """One process per worker (spawn), a pipe to each. `collective_rpc` sends to every worker first and then
+    collects, so the ranks of one instance run a step concurrently."""
 
     def __init__(self, config: EngineConfig, checkpoint_dir: str, model_id: str, store):
         self.config = config
@@ -140,7 +127,6 @@ class ProcessWorkerPool:
         self.num_workers = config.num_workers
         self.crosses_processes = True
         self._procs, self._conns = [], []
-        self.executor: ThreadPoolExecutor | None = None
         port = _free_port()
         try:
             for worker_id in range(self.num_workers):
@@ -153,7 +139,7 @@ class ProcessWorkerPool:
             self.close()
             raise
         # Instances step concurrently: one thread each, every one waiting on its workers' pipes.
-        self.executor = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="elastic-hf-instance")
+        self.step_threads = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="elastic-hf-instance")
 
     def _spawn(self, worker_id: int, port: int, config: EngineConfig | None = None):
         ctx = torch.multiprocessing.get_context("spawn")
@@ -179,10 +165,9 @@ class ProcessWorkerPool:
             raise WorkerError(worker, method, result, remote_tb)
         return _decode(result)
 
-    def call(self, worker: int, method: str, *args):
-        return self.call_many((worker,), method, *args)[0]
-
-    def call_many(self, workers, method: str, *args) -> list:
+    def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None) -> list:
+        method = rpc_name(method)
+        workers = range(self.num_workers) if workers is None else tuple(workers)
         sent, errors = [], []
         for w in workers:
             try:
@@ -203,7 +188,7 @@ class ProcessWorkerPool:
             raise errors[0]
         return [results[w] for w in workers]
 
-    def dead_workers(self) -> list[int]:
+    def check_health(self) -> list[int]:
         return [w for w, proc in enumerate(self._procs) if not proc.is_alive()]
 
     def replace(self, dead: list[int], topology: tuple[int, ...]) -> None:
@@ -225,7 +210,7 @@ class ProcessWorkerPool:
     def pids(self) -> list[int]:
         return [proc.pid for proc in self._procs]
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         for w, conn in enumerate(self._conns):
             try:
                 if self._procs[w].is_alive():
@@ -240,6 +225,6 @@ class ProcessWorkerPool:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
-        if self.executor is not None:
-            self.executor.shutdown(wait=False)
-            self.executor = None
+        if self.step_threads is not None:
+            self.step_threads.shutdown(wait=False)
+            self.step_threads = None

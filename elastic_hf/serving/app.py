@@ -55,7 +55,6 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, model_id
     app.include_router(openai_router(async_engine, model_id=model_id, tokenizer=async_engine.tokenizer,
                                      max_model_len=async_engine.max_model_len,
                                      system_fingerprint=system_fingerprint(async_engine.model_id)))
-    app.include_router(utility_router(model_id=model_id, tokenizer=async_engine.tokenizer,
-                                      max_model_len=async_engine.max_model_len))
+    app.include_router(utility_router(async_engine, model_id=model_id, max_model_len=async_engine.max_model_len))
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     return app

@@ -64,15 +64,6 @@ def sampling_params(req: p.SamplingRequest, max_tokens: int) -> SamplingParams:
         raise api_error_from_engine(exc) from exc
 
 
-def chat_prompt_ids(tokenizer, req: p.ChatCompletionRequest) -> list[int]:
-    """Token ids of the conversation through the model's chat template; ValueError for content it cannot take."""
-    ids = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt,
-                                        tokenize=True, return_dict=False)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some tokenizers return a BatchEncoding regardless
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def echo_text(tokenizer, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
@@ -140,8 +131,9 @@ def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_mo
         requested = req.requested_max_tokens()
         check_max_tokens(requested, max_model_len,
                          "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-        try:
-            prompt_ids = chat_prompt_ids(tokenizer, req)
+        try:   # on the input thread, as every request's tokenization (engine/input_processor.py)
+            prompt_ids = await async_engine.on_input_thread(async_engine.input_processor.render_chat,
+                                                            req.template_messages(), req.add_generation_prompt)
         except ValueError as exc:  # the conversation as a whole is at fault, whichever part of it
             raise APIError(400, str(exc), param="messages")
         if len(prompt_ids) >= max_model_len:

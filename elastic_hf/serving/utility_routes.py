@@ -3,6 +3,8 @@
 outside /v1, so the API key does not guard them; they read only the tokenizer and touch no request."""
 from __future__ import annotations
 
+import functools
+
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -34,7 +36,9 @@ async def _body(request: Request, model: type[BaseModel]):
         raise validation_error(exc)
 
 
-def utility_router(*, model_id: str, tokenizer, max_model_len: int) -> APIRouter:
+def utility_router(async_engine, *, model_id: str, max_model_len: int) -> APIRouter:
+    """The utility routes of the model `async_engine` serves; tokenization runs on its input thread."""
+    tokenizer = async_engine.tokenizer
     router = APIRouter()
 
     def check_model(name: str | None) -> None:
@@ -59,14 +63,14 @@ def utility_router(*, model_id: str, tokenizer, max_model_len: int) -> APIRouter
         if req.messages is not None:
             chat = p.ChatCompletionRequest(model=model_id, messages=req.messages,
                                            add_generation_prompt=req.add_generation_prompt)
-            from elastic_hf.serving.openai_routes import chat_prompt_ids
-
             try:
-                tokens = chat_prompt_ids(tokenizer, chat)
+                tokens = await async_engine.on_input_thread(async_engine.input_processor.render_chat,
+                                                            chat.template_messages(), chat.add_generation_prompt)
             except ValueError as exc:
                 raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages")
         else:
-            tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            tokens = await async_engine.on_input_thread(
+                functools.partial(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens))
         body = {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
         if req.return_token_strs:
             body["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)

@@ -10,27 +10,34 @@ import pytest
 
 from elastic_hf.engine.async_engine import AsyncEngine
 from elastic_hf.engine.errors import EngineError
+from elastic_hf.engine.input_processor import EngineRequest, InputProcessor
 from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
 from elastic_hf.engine.sampling_params import SamplingParams
 
 
+class CharTokenizer:
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+
 class FakeEngine:
     """One token per step per request; `fail_steps` makes the next steps raise."""
-    model_id, max_model_len, tokenizer = "fake", 100, None
+    model_id, max_model_len, tokenizer = "fake", 100, CharTokenizer()
 
     def __init__(self):
         self.metrics = EngineMetrics("fake")
+        # the fake runs any length: its input processor checks emptiness and token ranges
+        self.input_processor = InputProcessor(self.tokenizer, vocab_size=1 << 16, max_model_len=1 << 30)
         self.requests: dict[str, list] = {}
         self.aborted: list[str] = []
         self.fail_steps = 0
         self.num_steps = 0
         self.num_polls = 0
 
-    def add_request(self, request_id, prompt, params, arrival_time=None):
-        if not prompt:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        self.requests[request_id] = [params.max_tokens, []]
+    def add_request(self, request_id, prompt, params=None, arrival_time=None):
+        assert isinstance(prompt, EngineRequest) and prompt.prompt_token_ids   # processed on the input thread
+        self.requests[request_id] = [prompt.params.max_tokens, []]
 
     def abort_request(self, request_id):
         if self.requests.pop(request_id, None) is not None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elastic_hf.kv import paged_attention
+from elastic_hf.kv import attention_backends
 from elastic_hf.kv.kv_manager import KVManager
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.page_pool import KVPagePool
@@ -36,12 +36,16 @@ def _pool(num_blocks=64, num_layers=2):
 
 @pytest.fixture(params=["native", "torch"])
 def attention_path(request, monkeypatch):
-    if request.param == "torch":   # SDPA for prefills, chunk gather + bmm for decodes
-        monkeypatch.setattr(paged_attention, "native_decode_available", lambda dtype, device: False)
-        monkeypatch.setattr(paged_attention, "native_prefill_available", lambda dtype, device: False)
-    elif not (paged_attention.native_decode_available(torch.float32, torch.device("cpu"))
-              and paged_attention.native_prefill_available(torch.float32, torch.device("cpu"))):
+    """The backend build_paged_batch picks for a CPU pool: the C kernels, or the torch path (SDPA for prefills,
+    chunk gather + bmm for decodes) when they are not there."""
+    if request.param == "torch":
+        monkeypatch.setattr(attention_backends, "native_decode_available", lambda dtype, device: False)
+    elif not (attention_backends.native_decode_available(torch.float32, torch.device("cpu"))
+              and attention_backends.native_prefill_available(torch.float32, torch.device("cpu"))):
         pytest.skip("no C compiler here (or ELASTIC_HF_NATIVE=0): the native kernels are not built")
+    expected = {"native": "cpu_native", "torch": "sdpa"}[request.param]
+    assert attention_backends.choose_attention_backend(torch.device("cpu"), torch.float32, HEAD_DIM, BLOCK).name \
+        == expected
     return request.param
 
 
@@ -131,8 +135,7 @@ def test_grouped_fresh_prefills_match_dense_sdpa(monkeypatch):
     """prefill_groups (built on GPUs) packs short fresh prefills into block-diagonal masked calls; forced here on the
     CPU's torch path with a 16-token cap: [5, 7, 3] and [6, 9] group, the 20-token prompt attends alone, and a
     chunk continuing a cached context and a decode in the same step are untouched by the groups."""
-    monkeypatch.setattr(paged_attention, "native_decode_available", lambda dtype, device: False)
-    monkeypatch.setattr(paged_attention, "native_prefill_available", lambda dtype, device: False)
+    monkeypatch.setattr(attention_backends, "native_decode_available", lambda dtype, device: False)
     torch.manual_seed(1)
     pool, allocator = _pool(num_blocks=96)
     layer = _Layer(0)
@@ -158,7 +161,7 @@ def test_grouped_fresh_prefills_match_dense_sdpa(monkeypatch):
         calls.append(kwargs.get("attn_mask") is not None)
         return F.scaled_dot_product_attention(*args, **kwargs)
 
-    monkeypatch.setattr(paged_attention, "F", types.SimpleNamespace(scaled_dot_product_attention=counting_sdpa))
+    monkeypatch.setattr(attention_backends, "F", types.SimpleNamespace(scaled_dot_product_attention=counting_sdpa))
     chunks = [(0, 3, 4), (1, 5, 10)] + [(i, 0, lengths[i]) for i in range(2, 8)]
     out, meta = step(chunks, group_cap=16)
     assert [[p.q_len for p in g.members] for g in meta.prefill_groups] == [[5, 7, 3], [6, 9]]

@@ -262,3 +262,23 @@ def test_bad_reshape_and_routing_input_is_refused_cleanly(setup):
     dep.abort_request(rid)
     dep.abort_request(rid)  # idempotent
     assert not dep.has_unfinished_requests() and str(dep.topology) == "[1,1]"
+
+
+def test_a_request_that_will_be_refused_never_reshapes(setup):
+    """Validation comes before routing (engine/input_processor.py): a long request with a token id out of the
+    vocabulary, or one whose max_tokens overflow max_model_len, would make the elastic policy merge [1,1] -> [2]
+    if it were routed first; it gets its 400 and the deployment does not move."""
+    dep, _, _, _ = setup
+    static_policy = dep.policy
+    dep.policy = TPPolicy(EngineConfig(tp_policy="elastic", router="elastic"), dep.degrees)
+    try:
+        long_prompt = mixed_prompts(dep.tokenizer, 1, 880, 880, seed=22)[0]
+        num_reshapes = len(dep.reshapes)
+        with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, "):
+            dep.add_request(None, long_prompt[:-1] + [dep.hf_config.vocab_size], SamplingParams(max_tokens=4))
+        with pytest.raises(ValueError, match="exceeds max_model_len"):
+            dep.add_request(None, long_prompt, SamplingParams(max_tokens=dep.max_model_len))
+        assert str(dep.topology) == "[1,1]" and len(dep.reshapes) == num_reshapes
+        assert not dep.has_unfinished_requests()
+    finally:
+        dep.policy = static_policy

@@ -1,0 +1,87 @@
+"""The one place a request is tokenized and validated (vLLM's InputProcessor): a prompt (text, token ids or a chat
+conversation through the model's template) and its SamplingParams become a validated `EngineRequest`, or an
+InvalidRequest (a ValueError: HTTP 400) naming the field and the numbers. Nothing downstream tokenizes or
+re-validates the prompt: the deployment routes the EngineRequest (a request that will be refused never triggers a
+reshape) and the instance's engine only checks what depends on the instance (its KV capacity).
+
+The server runs it on an input thread (AsyncEngine), off both the event loop and the engine thread; the Python API
+runs it in the caller's thread. Stateless but for the tokenizer, which one input thread uses at a time."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from elastic_hf.engine.errors import InvalidRequest
+from elastic_hf.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A request that passed every check that does not depend on an instance."""
+    request_id: str | None         # None: the deployment names it
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_stop_strings: int = 64,
+                 max_stop_string_chars: int = 1024):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_stop_strings = max_stop_strings
+        self.max_stop_string_chars = max_stop_string_chars
+
+    @classmethod
+    def for_config(cls, config, tokenizer, vocab_size: int, max_model_len: int) -> "InputProcessor":
+        """The limits of an EngineConfig (max_stop_strings, max_stop_string_chars)."""
+        return cls(tokenizer, vocab_size=vocab_size, max_model_len=max_model_len,
+                   max_stop_strings=config.max_stop_strings, max_stop_string_chars=config.max_stop_string_chars)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation through the model's chat template; ValueError for content it cannot take."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some tokenizers return a BatchEncoding regardless
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def process(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                arrival_time: float | None = None) -> EngineRequest:
+        prompt_ids = self.tokenize(prompt)
+        self.check_prompt(prompt_ids, params)
+        self.check_stop_strings(params)
+        return EngineRequest(request_id, prompt_ids, params, time.time() if arrival_time is None else arrival_time)
+
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        num_prompt = len(prompt_ids)
+        if num_prompt == 0:
+            raise InvalidRequest("prompt is empty: it must contain at least one token", param="prompt")
+        if num_prompt > self.max_model_len:
+            raise InvalidRequest(f"prompt has {num_prompt} tokens but max_model_len is {self.max_model_len}",
+                                 param="prompt", code="context_length_exceeded")
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens exceeds "
+                                 f"max_model_len={self.max_model_len}; ask for at most "
+                                 f"{self.max_model_len - num_prompt} tokens", param="max_tokens",
+                                 code="context_length_exceeded")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
+                                 param="prompt")
+
+    def check_stop_strings(self, params: SamplingParams) -> None:
+        """Stop strings are matched at every step of their request: their number and length are capped."""
+        if len(params.stop) > self.max_stop_strings:
+            raise InvalidRequest(f"at most {self.max_stop_strings} stop strings are allowed, got {len(params.stop)}",
+                                 param="stop")
+        longest = max((len(s) for s in params.stop), default=0)
+        if longest > self.max_stop_string_chars:
+            raise InvalidRequest(f"stop strings may have at most {self.max_stop_string_chars} characters, got one "
+                                 f"of {longest}", param="stop")

@@ -1,0 +1,96 @@
+"""The executor interface: how the control plane reaches the workers of a deployment (vLLM's Executor). Two
+implementations live in parallel/worker_pool.py: `InProcessExecutor` (the one worker of a single-worker model,
+called directly) and `MultiprocessExecutor` (one spawned process per worker, a pipe each, death detection and
+replacement). A multi-node executor (Ray actors placed by a placement group) plugs in here: it implements
+`collective_rpc`, `check_health`, `replace` and `shutdown`, and everything above works unchanged.
+
+Calls are typed: `collective_rpc(Worker.kv_capacity, (1, 0))` names the Worker method itself (a rename breaks at
+import, not at run time); a method of a worker's sub-object (MorphExecutor.sync) travels as its dotted RPC name
+("morph.sync"). A plain string name is accepted too (what an extension class adds: EngineConfig.
+worker_extension_cls). Only small control data travels through the RPC; tensors between workers move through
+torch.distributed."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+# Worker attribute under which each sub-object's methods are reached ("morph.sync")
+RPC_SUB_OBJECTS = {"MorphExecutor": "morph", "ReshapeParticipant": "reshape", "KVExchangeParticipant": "exchange"}
+
+
+def rpc_name(method: str | Callable) -> str:
+    """The RPC name of a Worker method (or of a method of one of its sub-objects), or a name given as is."""
+    if isinstance(method, str):
+        return method
+    owner, _, name = getattr(method, "__qualname__", "").rpartition(".")
+    if not owner or not name or "." in owner:
+        raise ValueError(f"{method!r} is not a method of the Worker or of one of its sub-objects")
+    if owner in RPC_SUB_OBJECTS:
+        return f"{RPC_SUB_OBJECTS[owner]}.{name}"
+    return name
+
+
+def resolve_method(worker, method: str):
+    """The bound method a dotted RPC name points at on `worker`; AttributeError for private or unknown names."""
+    target = worker
+    for part in method.split("."):
+        if not part or part.startswith("_"):
+            raise AttributeError(f"worker has no RPC method {method!r}")
+        target = getattr(target, part, None)
+        if target is None:
+            raise AttributeError(f"worker has no RPC method {method!r}")
+    if not callable(target):
+        raise AttributeError(f"worker has no RPC method {method!r}")
+    return target
+
+
+class Executor(ABC):
+    num_workers: int
+    # Results cross a process boundary: a step's logits are then sampled where they are (Worker.execute with
+    # sampling) rather than shipped back.
+    crosses_processes: bool
+    # Instances step concurrently on these threads, each waiting on its own workers; None: in the caller's thread.
+    step_threads: ThreadPoolExecutor | None = None
+
+    @abstractmethod
+    def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None) -> list:
+        """Run `method(*args)` on every worker of `workers` (default: all) at once; their results in that order.
+        Raises WorkerError (the first failure) after every worker has answered or died."""
+
+    @abstractmethod
+    def check_health(self) -> list[int]:
+        """The workers that have died (empty when all live)."""
+
+    @abstractmethod
+    def replace(self, dead: list[int], topology: tuple) -> None:
+        """Start new workers for `dead` under `topology`; the survivors rejoin the new torch.distributed world."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker; idempotent."""
+
+    # ------------------------------------------------------------------ the step paths
+    def execute_model(self, workers: tuple[int, ...], inputs: list, sampling: list | None = None):
+        """One step of a non-pipelined instance over `workers` (every rank runs it: the all-reduces need them);
+        rank 0's logits [num_sampling_seqs, vocab], or its SampledStep when `sampling` is given."""
+        return self.collective_rpc("execute", (inputs, sampling), workers)[0]
+
+    def execute_pipeline(self, workers: tuple[int, ...], micro_batches: list[list], sampling: list | None = None
+                         ) -> list[tuple]:
+        """One step of a pipelined instance: every worker gets all micro-batches; (result, stage stats) per worker,
+        the last stage's rank 0 holding the logits (or SampledStep)."""
+        return self.collective_rpc("execute_pipeline", (micro_batches, sampling), workers)
+
+    # ------------------------------------------------------------------ shorthands
+    def call(self, worker: int, method: str | Callable, *args):
+        return self.collective_rpc(method, args, (worker,))[0]
+
+    def call_many(self, workers: Iterable[int], method: str | Callable, *args) -> list:
+        return self.collective_rpc(method, args, workers)
+
+    def dead_workers(self) -> list[int]:
+        return self.check_health()
+
+    def close(self) -> None:
+        self.shutdown()
