@@ -35,8 +35,8 @@ def _hook(event, args):
         path = os.path.abspath(os.fsdecode(path))
     except (TypeError, ValueError):
         return
-    if _inside(path, _allowed) or not any(_inside(path, root) for root in _forbidden):
-        return
+    if path == _log or _inside(path, _allowed) or not any(_inside(path, root) for root in _forbidden):
+        return   # (the log itself: a checkout directly under /tmp puts it inside a forbidden place)
     with open(_log, "a") as f:  # the guard's own log lies outside the forbidden places
         f.write(f"{os.getpid()} {event} {path}\\n")
 
