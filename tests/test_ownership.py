@@ -78,9 +78,9 @@ def test_kv_capacity_changes_only_through_a_kv_manager():
 
 
 def _is_kv_manager(receiver: str) -> bool:
+    """`kv`, `self.kv`, `engine.scheduler.kv`, `kv_managers[idx]`."""
     last = receiver.split(".")[-1]
-    return last == "kv" or last.startswith("kv[") or receiver.startswith("kv_managers[") or last == "self.kv" \
-        or receiver in ("kv", "self.kv")
+    return last == "kv" or receiver.startswith("kv_managers[")
 
 
 def test_page_pools_are_resized_only_by_the_data_plane_executors():

@@ -39,9 +39,8 @@ class EngineLoad:
 
 class LLMEngine:
     def __init__(self, runner: Runner, scheduler: Scheduler, tokenizer, *, model_id: str, max_model_len: int,
-                 vocab_size: int, eos_token_ids: list[int], metrics: EngineMetrics | None = None,
-                 seq_ids: Iterator[int] | None = None, request_seeds: Iterator[int] | None = None,
-                 input_processor: InputProcessor | None = None):
+                 eos_token_ids: list[int], input_processor: InputProcessor, metrics: EngineMetrics | None = None,
+                 seq_ids: Iterator[int] | None = None, request_seeds: Iterator[int] | None = None):
         """seq_ids: where sequence ids come from; engines that exchange sequences (the instances of a deployment)
         share one counter so ids stay unique and keep meaning admission order. request_seeds: the seed of each
         accepted request that brings none (a server's --seed: the instances share one stream, so the k-th request
@@ -51,11 +50,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.metrics = metrics or EngineMetrics(model_id, max_model_len=max_model_len)
-        self.input_processor = input_processor or InputProcessor(tokenizer, vocab_size=vocab_size,
-                                                                 max_model_len=max_model_len)
+        self.input_processor = input_processor   # shared by a deployment's instance engines
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, max_model_len)
         self.requests: dict[str, Request] = {}
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count()

@@ -141,9 +141,8 @@ class Deployment:
         runner = InstanceRunner(self.pool, workers, shape, self.deployment_metrics.on_pipeline_step)
         engine = LLMEngine(runner, Scheduler(self.config, kv, shape.pp), self.tokenizer,
                            model_id=self.model_id, max_model_len=self.max_model_len,
-                           vocab_size=self.hf_config.vocab_size, eos_token_ids=self.eos_token_ids,
-                           metrics=self.metrics, seq_ids=self._seq_ids, request_seeds=self._request_seeds,
-                           input_processor=self.input_processor)
+                           eos_token_ids=self.eos_token_ids, input_processor=self.input_processor,
+                           metrics=self.metrics, seq_ids=self._seq_ids, request_seeds=self._request_seeds)
         return Instance(workers, engine, shape, runner)
 
     def _build_instances(self, topology: Topology) -> list[Instance]:
