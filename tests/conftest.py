@@ -24,11 +24,33 @@ SMOKE_TESTS = (
 )
 
 
-@pytest.hookimpl(tryfirst=True)   # before `-m` deselects: the smoke marker must be on the items by then
+# The fast tier (`pytest -m "not slow"`, under 4 minutes on 2 cores) is every single-process test plus one
+# multi-worker greedy test per elastic system. What starts worker processes or `elastic-hf serve` subprocesses, runs
+# the examples as scripts, drills faults, drains or soaks (the `stress` marker) joins `slow` here, by node-id
+# prefix, unless it is in the smoke tier or FAST_REPRESENTATIVES: the full suite (CI) runs all of it.
+SLOW_PREFIXES = (
+    "tests/parallel/test_pipeline.py", "tests/parallel/test_param_drop.py", "tests/parallel/test_tp_greedy.py",
+    "tests/parallel/test_reshape.py", "tests/parallel/test_deployment_morph.py",
+    "tests/parallel/test_lookahead_pipeline.py",
+    "tests/serving/test_cli.py", "tests/serving/test_serve_flags.py", "tests/serving/test_admin_reshape.py",
+    "tests/serving/test_admin_drop.py", "tests/serving/test_auth.py",
+    "tests/test_examples.py", "tests/test_standalone.py::test_readme_test_command_passes_in_a_copy",
+)
+FAST_REPRESENTATIVES = (
+    "tests/parallel/test_pipeline.py::test_pp2_matches_hf_with_chunked_prefill[llama-1x2]",
+    "tests/parallel/test_param_drop.py::test_drop_restore_drop_keeps_greedy_tokens_without_reprefill",
+    "tests/parallel/test_reshape.py::test_idle_reshape_to_tp2_matches_hf",
+)
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects: the tier markers must be on the items by then
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(SMOKE_TESTS):
             item.add_marker(pytest.mark.smoke)
+        elif ("stress" in item.keywords or item.nodeid.startswith(SLOW_PREFIXES)) \
+                and not item.nodeid.startswith(FAST_REPRESENTATIVES):
+            item.add_marker(pytest.mark.slow)
     # The standalone copy (tests/test_standalone.py) checks that the repository stands on its own: a clean copy
     # sets itself up and runs the smoke tier, while an audit hook records every file read outside the copy.
     # The whole suite already ran in the outer run; running it twice would cost minutes of CI.

@@ -2,8 +2,9 @@
 
 - KV capacity has one owner on the control plane: only kv/kv_manager.py creates or reaches a BlockAllocator;
   everything else goes through a KVManager's methods.
-- The page pools are resized only by the data-plane executors of the manager's decisions (the listed worker-side
-  modules): a new call site of attach_blocks / detach_blocks fails here until it is reviewed and listed.
+- The serving page pools are resized only through the manager's KVResize (KVPagePool.resize, reached by the worker's
+  resize_kv); besides the pool itself only a reshape's commit grows a new pool, to the capacity its planned
+  manager lists: a new call site of attach_blocks / detach_blocks fails here until it is reviewed and listed.
 - Policies (routing, the overload arbiter, the drop plan, lookahead, the morph controller and monitor) read typed
   views and return plans: they import nothing from parallel/ and reach no engine, runner, scheduler or deployment.
 - The engine never reaches into a scheduler's KV manager to change it: the scheduler does that."""
@@ -19,10 +20,9 @@ KV_OWNER = "kv/kv_manager.py"
 ALLOCATOR_MODULE = "kv/block_allocator.py"
 KV_MUTATORS = {"allocate", "free", "share", "hold", "release_held", "grow", "shrink", "shrink_to", "reset"}
 POOL_RESIZERS = {"attach_blocks", "detach_blocks"}
-# The data plane's executors of KV resizes: the pool itself, a worker's setup and recovery, a morph's swap, a
-# reshape's new pool and a drop's exchange.
-POOL_RESIZE_EXECUTORS = {"kv/page_pool.py", "parallel/worker.py", "morph/executor.py", "parallel/worker_reshape.py",
-                         "parallel/worker_exchange.py"}
+# Where pages of a pool are committed or decommitted: the pool (applying a KVManager's KVResize) and a reshape's
+# commit, which grows a new pool to its planned manager's capacity.
+POOL_RESIZE_EXECUTORS = {"kv/page_pool.py", "parallel/worker_reshape.py"}
 POLICY_MODULES = ["engine/routing.py", "engine/overload.py", "engine/drop_plan.py", "engine/lookahead.py",
                   "morph/controller.py", "morph/monitor.py"]
 POLICY_MUST_NOT_REACH = {"engine", "runner", "scheduler", "deployment", "dep", "pool", "instances"}

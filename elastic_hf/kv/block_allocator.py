@@ -84,6 +84,16 @@ class BlockAllocator:
         self._attached.update(block_ids)
         self._free.extend(block_ids)
 
+    def detach_from(self, first_id: int) -> list[int]:
+        """Remove every slot with an id >= first_id (all must be free); returns their ids."""
+        chosen = {b for b in self._attached if b >= first_id}
+        live = sorted(b for b in chosen if b in self._refs)
+        if live:
+            raise ValueError(f"blocks {live[:8]} are in use: only free blocks can be detached")
+        self._free = deque(b for b in self._free if b not in chosen)
+        self._attached -= chosen
+        return sorted(chosen)
+
     def detach_free(self, num_blocks: int, prefer_high_ids: bool = True) -> list[int]:
         """Remove up to num_blocks free slots (never live ones) and return their ids so their pages can be
         decommitted. High ids first by default, so the arena shrinks from its tail."""

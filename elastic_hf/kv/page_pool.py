@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from elastic_hf.kv.kv_manager import KVResize
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.memory.arena import PageArena
 
@@ -82,3 +83,18 @@ class KVPagePool:
         for block_id in block_ids:
             self.arena.decommit(block_id * self.layout.block_bytes, self.layout.block_bytes)
             self._attached.discard(block_id)
+
+    def resize(self, resize: KVResize) -> list[int]:
+        """Apply a KV manager's resize (kv/kv_manager.py): decommit the given free blocks, commit `attach` more
+        (lowest free slots), or hold exactly blocks 0 .. reset_to - 1. Returns the newly attached ids."""
+        if resize.detach_block_ids:
+            self.detach_blocks(resize.detach_block_ids)
+        attach = resize.attach
+        if resize.reset_to is not None:
+            if resize.reset_to > self.max_blocks:
+                raise ValueError(f"cannot hold {resize.reset_to} blocks: the pool reserves {self.max_blocks}")
+            beyond = [b for b in self._attached if b >= resize.reset_to]
+            if beyond:
+                self.detach_blocks(sorted(beyond))
+            attach += resize.reset_to - len(self._attached)   # the lowest free slots are the missing ones below it
+        return self.attach_blocks(attach) if attach > 0 else []

@@ -30,6 +30,7 @@ from elastic_hf.memory import MemoryBudget, create_arena, default_page_size, dev
 from elastic_hf.memory.host_malloc import tune_host_malloc
 from elastic_hf.native.argmax import native_argmax_available
 from elastic_hf.model.loader import parse_dtype
+from elastic_hf.model.cuda_graph_runner import CudaGraphRunner
 from elastic_hf.model.runner import ModelRunner
 from elastic_hf.model.weight_placement import WeightLayout
 from elastic_hf.patches import ArchAdapter, get_adapter
@@ -92,7 +93,7 @@ class ModelInstance:
     page_size: int
     block_size: int
     headroom_bytes: int        # kept uncommitted so a precision swap can always start (0 without morphing)
-    runner: ModelRunner
+    runner: ModelRunner | CudaGraphRunner
     pool: KVPagePool | None = None
 
     @property
@@ -185,7 +186,7 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
             log.warning("CUDA graphs need Triton's paged KV kernels (Triton installed; power-of-two head_dim and "
                         "block_size, here %d and %d): decode steps run eagerly", loaded.head_dim, config.block_size)
         else:
-            runner.use_cuda_graphs(loaded.layers, config.max_num_seqs)
+            runner = CudaGraphRunner.capture_decodes(runner, loaded.layers, config.max_num_seqs)
     instance = ModelInstance(loaded, weights, budget, page_size, config.block_size, headroom_bytes, runner)
     block_bytes = instance.kv_layout(1, 0).block_bytes
     kv_bytes = total - tp1_bytes - headroom_bytes

@@ -7,7 +7,7 @@ On a pipeline stage (model/stage.py) the runner runs only the stage's layers: a 
 stage's hidden states instead of token ids, and every stage but the last returns hidden states instead of logits."""
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -15,14 +15,31 @@ from torch import nn
 from elastic_hf.kv.attention_backends import AttentionBackend
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_batch import is_batched_decode
-from elastic_hf.model.cuda_graphs import DecodeGraphs, GraphCaptureError
 from elastic_hf.model.stage import StageSpec, StageView
 
 
-log = logging.getLogger(__name__)
+@dataclass(slots=True)
+class PackedStep:
+    """One step packed for the forward: every input's tokens in packed order (decodes first), the packed rows
+    that go through the LM head and the input each belongs to, and the attention metadata of the batch."""
+    num_inputs: int
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
+    logit_owner: list[int] = field(default_factory=list)   # index into the step's inputs of each logits row
+    batch: object = None                                   # the backend's PagedBatch
+
+    @property
+    def is_sampling_decode(self) -> bool:
+        """Every input is a batched one-token decode that samples once (what a decode CUDA graph replays)."""
+        decodes = self.batch.decodes
+        return (decodes is not None and decodes.num_seqs == self.num_inputs
+                and len(self.logit_rows) == self.num_inputs)
 
 
 class ModelRunner:
+    """The eager runner; model/cuda_graph_runner.py wraps it to replay decode steps as CUDA graphs."""
+
     def __init__(self, model: nn.Module, pool: KVPagePool | None, attention: AttentionBackend,
                  sliding_window: int | None = None):
         """pool: None until the worker's KV pool exists (a deployment sizes it after start). attention: the
@@ -33,11 +50,6 @@ class ModelRunner:
         self.sliding_window = sliding_window
         self.device = next(model.parameters()).device
         self.stage_view: StageView | None = None
-        self.decode_graphs: DecodeGraphs | None = None
-
-    def use_cuda_graphs(self, layers: nn.ModuleList, max_batch: int) -> None:
-        """Replay decode-only steps of up to `max_batch` sequences as CUDA graphs (model/cuda_graphs.py)."""
-        self.decode_graphs = DecodeGraphs(self.model, layers, max_batch, self.device, self.attention)
 
     @property
     def stage(self) -> StageSpec | None:
@@ -56,62 +68,58 @@ class ModelRunner:
         token for an input with all_logits: see engine/step_plan.py); on a stage
         that is not the last, the hidden states [T, hidden] of every packed token instead. A stage that is not the
         first takes the previous stage's hidden states `hidden_in` [T, hidden] (same packed order) for the ids."""
-        stage = self.stage
+        return self.forward(self.pack(inputs), hidden_in)
+
+    def pack(self, inputs: list) -> PackedStep:
+        """The step as one packed varlen batch, with the attention backend's metadata built once for every layer."""
         # Decodes go first in the packed batch: their rows are then one contiguous slice, which the attention
         # reads and writes as views instead of gathers and scatters.
         order = sorted(range(len(inputs)), key=lambda i: not is_batched_decode(
             inputs[i].num_computed, len(inputs[i].token_ids), self.sliding_window))
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logit_rows: list[int] = []
-        logit_owner: list[int] = []  # index into `inputs` of each logits row
+        step = PackedStep(len(inputs))
         for i in order:
             seq = inputs[i]
-            input_ids.extend(seq.token_ids)
-            positions.extend(range(seq.num_computed, seq.num_computed + len(seq.token_ids)))
+            step.input_ids.extend(seq.token_ids)
+            step.positions.extend(range(seq.num_computed, seq.num_computed + len(seq.token_ids)))
+            end = len(step.input_ids)
             if seq.all_logits:   # every position: prompt log-probabilities
-                logit_rows.extend(range(len(input_ids) - len(seq.token_ids), len(input_ids)))
-                logit_owner.extend([i] * len(seq.token_ids))
+                step.logit_rows.extend(range(end - len(seq.token_ids), end))
+                step.logit_owner.extend([i] * len(seq.token_ids))
             elif seq.needs_logits:
-                logit_rows.append(len(input_ids) - 1)
-                logit_owner.append(i)
-        batch = self.attention.build_metadata(
+                step.logit_rows.append(end - 1)
+                step.logit_owner.append(i)
+        step.batch = self.attention.build_metadata(
             self.pool, [(inputs[i].num_computed, len(inputs[i].token_ids), inputs[i].block_ids) for i in order],
             self.sliding_window)
-        graphs = self.decode_graphs
-        if (graphs is not None and stage is None and batch.decodes is not None
-                and batch.decodes.num_seqs == len(inputs) and graphs.fits(len(inputs))
-                and len(logit_rows) == len(inputs)):
-            # decodes only, each sampling once: one graph replay ([num_seqs, vocab] in packed order)
-            try:
-                logits = graphs.run(self.pool, input_ids, positions, batch)
-            except GraphCaptureError as exc:
-                log.warning("CUDA graph capture failed (%s): decode steps run eagerly from now on", exc)
-                self.decode_graphs = None
-            else:
-                return self._callers_order(logits, logit_owner)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)   # [1, T]
+        return step
+
+    @torch.inference_mode()
+    def forward(self, step: PackedStep, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """The eager forward of a packed step (what `execute` returns)."""
+        stage = self.stage
+        pos = torch.tensor(step.positions, dtype=torch.long, device=self.device).unsqueeze(0)   # [1, T]
         if stage is None or stage.is_first:
-            tokens = {"input_ids": torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0)}  # [1, T]
+            tokens = {"input_ids": torch.tensor(step.input_ids, dtype=torch.long,
+                                                device=self.device).unsqueeze(0)}            # [1, T]
         else:
-            if hidden_in is None or hidden_in.shape[0] != len(input_ids):
+            if hidden_in is None or hidden_in.shape[0] != len(step.input_ids):
                 raise ValueError(f"stage of layers {stage.layers} needs the previous stage's hidden states for "
-                                 f"{len(input_ids)} tokens, got "
+                                 f"{len(step.input_ids)} tokens, got "
                                  f"{None if hidden_in is None else tuple(hidden_in.shape)}")
             tokens = {"inputs_embeds": hidden_in.unsqueeze(0)}                                 # [1, T, hidden]
         if stage is not None and not stage.is_last:
-            out = self.stage_view.decoder(**tokens, position_ids=pos, use_cache=False, paged_batch=batch)
+            out = self.stage_view.decoder(**tokens, position_ids=pos, use_cache=False, paged_batch=step.batch)
             return out.last_hidden_state[0]                                                    # [T, hidden]
         # Only the last position of each sampling sequence goes through the LM head (49k vocab rows).
         # sorted() is stable: the rows of one input stay in position order when they go back to the callers' order.
-        keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        out = self.model(**tokens, position_ids=pos, use_cache=False, logits_to_keep=keep, paged_batch=batch)
-        return self._callers_order(out.logits[0].float(), logit_owner)   # [num_sampling_seqs, vocab]
+        keep = torch.tensor(step.logit_rows, dtype=torch.long, device=self.device)
+        out = self.model(**tokens, position_ids=pos, use_cache=False, logits_to_keep=keep, paged_batch=step.batch)
+        return callers_order(out.logits[0].float(), step.logit_owner)   # [num_sampling_seqs, vocab]
 
-    @staticmethod
-    def _callers_order(logits: torch.Tensor, logit_owner: list[int]) -> torch.Tensor:
-        """Rows in packed order -> rows in the callers' order: row r belongs to inputs[logit_owner[r]]."""
-        if logit_owner != sorted(logit_owner):
-            back = sorted(range(len(logit_owner)), key=logit_owner.__getitem__)
-            logits = logits.index_select(0, torch.tensor(back, device=logits.device))
-        return logits
+
+def callers_order(logits: torch.Tensor, logit_owner: list[int]) -> torch.Tensor:
+    """Rows in packed order -> rows in the callers' order: row r belongs to inputs[logit_owner[r]]."""
+    if logit_owner != sorted(logit_owner):
+        back = sorted(range(len(logit_owner)), key=logit_owner.__getitem__)
+        logits = logits.index_select(0, torch.tensor(back, device=logits.device))
+    return logits

@@ -1,11 +1,11 @@
 """The data plane of precision morphing on one worker (MorphServe §4.3-4.4): the layer store, the swapper and the
 worker's share of KV resizing, driven by `MorphCommand`s from the control plane's MorphManager.
 
-Who decides what: the control plane's KV manager owns the block ids, so only it knows which KV blocks are free. The worker
-commits and decommits pages. So the worker attaches new blocks on its own (spare budget beyond the headroom; the
-new ids go back in the report and the manager grows by them), while blocks are detached only when the control plane
-sends their ids (its manager gave them up first, free ones only). A swap that needs bytes the budget does not have
-waits and reports how many it needs; the next command brings the detached blocks."""
+Who decides what: the instance's KV manager owns the block ids and the pool's size, so only it knows which KV blocks
+are free and only it resizes the pool (kv/kv_manager.py, through the worker's `resize_kv`). The worker reports what
+the budget could still give the KV cache beyond the headroom (`spare_blocks`: the manager grows by them) and, when a
+swap waits for bytes the budget does not have, how many it needs: the manager shrinks by free blocks and the next
+command finds the room."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,7 +21,6 @@ from elastic_hf.morph.layer_swapper import LayerSwapper, SwapCounters, SwapRecor
 @dataclass(slots=True)
 class MorphCommand:
     requests: list[tuple[list[int], str]] = field(default_factory=list)   # (layers, precision) to swap to
-    detach_block_ids: list[int] = field(default_factory=list)   # free KV blocks the control plane gave up
     wait_copies: bool = False            # block until started copies finish (offline driving, no forward runs)
 
 
@@ -34,7 +33,7 @@ class MorphReport:
     in_flight: bool                      # copies running
     room_needed_bytes: int               # > 0: a swap waits for this many more free budget bytes
     records: list[SwapRecord]            # swaps switched by this command
-    attached_block_ids: list[int]        # KV blocks committed by this command (the control plane's KVManager.grow)
+    spare_blocks: int                    # KV blocks the budget holds beyond the headroom now (the manager grows)
     counters: SwapCounters
     weights_committed_bytes: int
     kv_committed_bytes: int
@@ -96,19 +95,16 @@ class MorphExecutor:
             self._room_needed = max(self._room_needed, missing)
         return missing <= 0
 
-    def _grow(self) -> list[int]:
-        """Attach every KV block the budget allows beyond the headroom."""
+    def _spare_blocks(self) -> int:
+        """KV blocks the budget allows beyond the headroom, up to the pool's reserved slots."""
         pool = self.pool
         spare = (self.budget.free_bytes - self.headroom_bytes) // pool.layout.block_bytes
-        num = max(0, min(pool.max_blocks - pool.num_blocks, spare))
-        return pool.attach_blocks(num) if num else []
+        return max(0, min(pool.max_blocks - pool.num_blocks, spare))
 
     def sync(self, command: MorphCommand) -> MorphReport:
-        """Apply a command at a step boundary (no forward pass runs): decommit the given free blocks, queue the
-        swaps, switch the layers whose copy finished, start queued ones that fit, attach spare blocks."""
+        """Apply a command at a step boundary (no forward pass runs): queue the swaps, switch the layers whose copy
+        finished, start queued ones that fit, and report the room left for KV blocks."""
         swapper = self.swapper
-        if command.detach_block_ids:
-            self.pool.detach_blocks(command.detach_block_ids)
         for layers, precision in command.requests:
             for layer in layers:
                 swapper.request(layer, precision)
@@ -116,12 +112,12 @@ class MorphExecutor:
             swapper.wait_copies()
         self._room_needed = 0
         records = swapper.poll()
-        attached = [] if swapper.waiting_for_room else self._grow()
+        spare = 0 if swapper.waiting_for_room else self._spare_blocks()   # a waiting swap gets the room first
         pool = self.pool
         return MorphReport(
             precisions=list(swapper.precision), targets=[swapper.target(i) for i in range(self.store.num_layers)],
             pending_layers=swapper.pending_layers(), busy=swapper.busy, in_flight=bool(swapper.in_flight()),
-            room_needed_bytes=self._room_needed, records=records, attached_block_ids=attached,
+            room_needed_bytes=self._room_needed, records=records, spare_blocks=spare,
             counters=swapper.counters, weights_committed_bytes=self.weights.arena.committed_bytes,
             kv_committed_bytes=pool.committed_bytes, kv_blocks=pool.num_blocks, budget_bytes=self.budget.total_bytes,
             budget_free_bytes=self.budget.free_bytes, headroom_bytes=self.headroom_bytes)

@@ -9,6 +9,7 @@ step boundary by construction. With a driver (the server's engine thread), `atta
 `to_precision` queue the change, wake the engine, and wait for it."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -177,29 +178,36 @@ class MorphManager:
 
     def _sync(self, requests: list[tuple[list[int], str]], wait_copies: bool = False) -> MorphReport:
         """One MorphCommand, and a second one at once when a swap reported that it waits for room the free KV
-        blocks can give: those are detached (all or nothing: shrinking the cache for a swap that still cannot start
-        only hurts) and sent, so the swap starts at this boundary like on a single process."""
-        report = self._send(requests, [], wait_copies)
+        blocks can give: the KV manager gives those up (all or nothing: shrinking the cache for a swap that still
+        cannot start only hurts; the pool decommits them) and the command goes again, so the swap starts at this
+        boundary like on a single process. Spare budget the report shows goes to the KV manager as new blocks."""
+        report = self._send(requests, wait_copies)
+        changed = bool(report.records)
         needed = report.room_needed_bytes
         if needed > 0 and self._can_detach(needed):
-            detach = self.kv.shrink(self._blocks_for(needed))
-            self.num_detached += len(detach)
-            report = self._send([], detach, False)
+            self.num_detached += len(self.kv.shrink(self._blocks_for(needed)))
+            report = self._send([], False)
+            changed = True
+        grown = len(self.kv.grow(report.spare_blocks)) if report.spare_blocks else 0
+        if grown:
+            self.num_attached += grown
+            nbytes = grown * self.info.block_bytes
+            report = dataclasses.replace(report, spare_blocks=0, kv_blocks=report.kv_blocks + grown,
+                                         kv_committed_bytes=report.kv_committed_bytes + nbytes,
+                                         budget_free_bytes=report.budget_free_bytes - nbytes)
+        self._report = report
+        if changed or grown:
+            self._record_timeline()
+        self._publish()
         return report
 
-    def _send(self, requests, detach: list[int], wait_copies: bool) -> MorphReport:
-        report = self.send("morph.sync", MorphCommand(list(requests), detach, wait_copies))
-        if report.attached_block_ids:
-            self.kv.grow(report.attached_block_ids)
-            self.num_attached += len(report.attached_block_ids)
+    def _send(self, requests, wait_copies: bool) -> MorphReport:
+        report = self.send("morph.sync", MorphCommand(list(requests), wait_copies))
         self._report = report
         for record in report.records:
             self.recent_swaps.append(record)
             if self.metrics is not None:
                 self.metrics.on_swap(self.worker, record)
-        if report.records or report.attached_block_ids or detach:
-            self._record_timeline()
-        self._publish()
         return report
 
     # ------------------------------------------------------------------ step boundary

@@ -138,6 +138,7 @@ class Deployment:
 
     def _new_instance(self, key: tuple[tuple[int, ...], InstanceShape], kv: KVManager) -> Instance:
         workers, shape = key
+        kv.bind_pools(lambda resize: self.pool.collective_rpc(Worker.resize_kv, (resize,), workers))
         runner = InstanceRunner(self.pool, workers, shape, self.deployment_metrics.on_pipeline_step)
         engine = LLMEngine(runner, Scheduler(self.config, kv, shape.pp), self.tokenizer,
                            model_id=self.model_id, max_model_len=self.max_model_len,
@@ -372,10 +373,9 @@ class Deployment:
                 continue
             inst.engine.preempt_running()   # with the requests stalled on a KV exchange
             capacity = self.capacity(inst.key)
-            if inst.engine.scheduler.kv.num_total != capacity:  # morphs or a drop resized it: afresh at fp
-                inst.engine.scheduler.kv.reset(capacity)
-            self.pool.collective_rpc(Worker.ensure_kv_blocks, (capacity,), [w for w in inst.workers if w not in lost])
             self.pool.collective_rpc(Worker.init_kv, (capacity,), lost)
+            # Afresh at fp on every worker: morphs or a drop may have resized the survivors' pools.
+            inst.engine.scheduler.kv.reset(capacity)
             for w in lost:
                 if w in self.morph_managers:
                     self.morph_managers[w].bind(None)

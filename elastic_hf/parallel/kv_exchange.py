@@ -93,22 +93,13 @@ class KVExchange:
                  self.stats.seconds, self.stats.wall_seconds, resumed)
 
     def _grow(self, room: list[int]) -> None:
-        """Attach what every worker of an instance can hold now to that instance's pools and KV manager; the
-        manager never lists a block some stage has not committed."""
+        """Each instance's KV manager grows by what every worker of the instance can hold now (its pools commit the
+        blocks in the same call)."""
         by_worker = dict(zip(self.workers, room))
         for inst in self.instances:
-            kv = inst.engine.scheduler.kv
-            attached = self.pool.call_many(inst.workers, "memory_report")
-            num_pool = min(r["kv_blocks"] for r in attached)
-            # The plan's manager lists the whole capacity; only blocks every stage has committed may be handed out.
-            kv.shrink_to(num_pool)
             want = min(by_worker.get(w, 0) for w in inst.workers)
-            if want <= 0:
-                continue
-            ids = self.pool.call_many(inst.workers, "exchange.attach", want)
-            if any(i != ids[0] for i in ids):
-                raise RuntimeError(f"workers {inst.workers} attached different KV blocks: {[i[:4] for i in ids]}")
-            kv.grow(ids[0])
+            if want > 0:
+                inst.engine.scheduler.kv.grow(want)
 
     def abandon(self, survivors: list[int]) -> None:
         """A worker died mid-exchange: the survivors drop the KV in transit (the deployment recomputes the parked

@@ -159,7 +159,13 @@ def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: Req
     retired = {key: sum(e.stats()[key] for e in retired_engines) for key in RETIRED_COUNTERS}
     out = []
     for idx, key in enumerate(new.instance_keys()):
-        instance = instances[plan.kept[idx]] if idx in plan.kept else make_instance(key, placement.kv_managers[idx])
+        if idx in plan.kept:
+            instance = instances[plan.kept[idx]]
+        else:
+            kv = placement.kv_managers[idx]
+            if plan.defer_kv:   # the new pools hold only the moved KV's blocks until the exchange frees the old ones
+                kv.limit_to_pools(plan.num_live_new_blocks.get(idx, 0))
+            instance = make_instance(key, kv)
         for request in placement.requests[idx]:
             if request.request_id in placement.preempted:
                 instance.engine.adopt(request, {}, recompute=True)

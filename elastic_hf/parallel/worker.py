@@ -15,6 +15,7 @@ import torch
 
 from elastic_hf.config import EngineConfig
 from elastic_hf.engine.sampler import sample_remote
+from elastic_hf.kv.kv_manager import KVResize
 from elastic_hf.layers.shard_layout import ModelShardSpec, allowed_tp_degrees
 from elastic_hf.memory import default_page_size, process_rss_bytes
 from elastic_hf.model.instance import LoadedModel, build_instance, load_model, worker_device
@@ -211,12 +212,12 @@ class Worker:
         self.instance.set_pool(self.instance.new_pool(role.tp, role.rank, num_blocks, self.layer_range()))
         return self.pool.layout.block_bytes
 
-    def ensure_kv_blocks(self, num_blocks: int) -> int:
-        """Attach blocks until the pool holds `num_blocks` (a recovered instance starts afresh at its capacity,
-        which a survivor of an interrupted KV exchange may not have attached yet). Returns the count now."""
-        if self.pool is not None and self.pool.num_blocks < num_blocks:
-            self.pool.attach_blocks(num_blocks - self.pool.num_blocks)
-        return 0 if self.pool is None else self.pool.num_blocks
+    def resize_kv(self, resize: KVResize) -> list[int]:
+        """Apply the instance's KV manager's resize to this worker's pool (kv/kv_manager.py: every worker of the
+        instance gets the same one). Returns the newly attached ids."""
+        if self.pool is None:
+            raise RuntimeError(f"worker {self.me} has no KV pool in topology {self.topology}")
+        return self.pool.resize(resize)
 
     def execute(self, inputs, sampling=None):
         """One step of this worker's instance. Every rank runs it (the all-reduces need them); rank 0 returns the

@@ -2,7 +2,8 @@
 requests for layers now owned by a peer is sent, not recomputed. The old pool (all layers of the requests this
 worker ran) stays alive until the exchange ends; the control plane calls `run` with one chunk of layers between
 pipeline steps, so activation transfers are never queued behind the exchange, then `finish`, which returns the old
-pool's pages to the budget. Reached as "exchange.<method>" through the worker's RPC."""
+pool's pages to the budget, which the instance's KV manager then grows its serving pool into (`room_blocks` says
+how far). Reached as "exchange.<method>" through the worker's RPC."""
 from __future__ import annotations
 
 import time
@@ -69,7 +70,7 @@ class KVExchangeParticipant:
         self._transfers = None
         self._src = self._dst = None
 
-    # ------------------------------------------------------------------ growing the serving pool
+    # ------------------------------------------------------------------ room for the serving pool
     def room_blocks(self) -> int:
         """Blocks the serving pool could attach now: what the budget has free beyond the morph headroom (the old
         pool's live blocks still count while an exchange runs), at most the pool's reserved slots."""
@@ -79,7 +80,3 @@ class KVExchangeParticipant:
             return 0
         free = worker.budget.free_bytes - worker.instance.headroom_bytes
         return max(0, min(free // pool.layout.block_bytes, pool.max_blocks - pool.num_blocks))
-
-    def attach(self, num_blocks: int) -> list[int]:
-        """Commit `num_blocks` more blocks in the serving pool (lowest free slots); their ids for the KV manager."""
-        return self.worker.pool.attach_blocks(num_blocks)

@@ -1,5 +1,5 @@
 """The two executors of parallel/executor.py: the one worker of a single-worker model (in this process, a direct
-call) and worker processes (spawned, a pipe each, death detection and replacement). A method may name a sub-object
+call) and worker processes (forked from a preloaded fork server, a pipe each, death detection and replacement). A method may name a sub-object
 of the Worker ("morph.sync"); private names are refused. Only small control data travels through the pipes;
 tensors between workers use torch.distributed."""
 from __future__ import annotations
@@ -53,6 +53,32 @@ class InProcessExecutor(Executor):
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+# What a worker process imports before it loads anything: the fork server imports it once, and every worker (at
+# start, after a crash, on the next deployment of this process) forks from it instead of importing torch and
+# transformers anew (seconds of CPU per worker; the workers of one deployment start at the same time).
+WORKER_PRELOAD = ["torch", "transformers", "elastic_hf.parallel.worker"]
+_context = None
+
+
+def worker_context():
+    """The multiprocessing context worker processes start from: a fork server with torch, transformers and the
+    worker preloaded (nothing in it has started a thread pool or touched CUDA, so forking it is safe), or plain
+    spawn where ELASTIC_HF_WORKER_START=spawn or the platform has no fork server."""
+    global _context
+    if _context is None:
+        import multiprocessing
+
+        method = os.environ.get("ELASTIC_HF_WORKER_START", "forkserver")
+        if method not in ("forkserver", "spawn"):
+            raise ValueError(f"ELASTIC_HF_WORKER_START must be 'forkserver' or 'spawn', got {method!r}")
+        if method not in multiprocessing.get_all_start_methods():
+            method = "spawn"
+        _context = torch.multiprocessing.get_context(method)
+        if method == "forkserver":
+            _context.set_forkserver_preload(WORKER_PRELOAD)
+    return _context
 
 
 def _free_port() -> int:
@@ -116,7 +142,7 @@ def worker_main(conn, config: EngineConfig, checkpoint_dir: str, worker_id: int,
 
 
 class MultiprocessExecutor(Executor):
-    """One process per worker (spawn), a pipe to each. `collective_rpc` sends to every worker first and then
+    """One process per worker (worker_context()), a pipe to each. `collective_rpc` sends to every worker first and then
     collects, so the ranks of one instance run a step concurrently."""
 
     def __init__(self, config: EngineConfig, checkpoint_dir: str, model_id: str, store):
@@ -142,7 +168,7 @@ class MultiprocessExecutor(Executor):
         self.step_threads = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="elastic-hf-instance")
 
     def _spawn(self, worker_id: int, port: int, config: EngineConfig | None = None):
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx = worker_context()
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker_main, daemon=True, name=f"elastic-hf-worker-{worker_id}",
                            args=(child, config or self.config, self.checkpoint_dir, worker_id, self.model_id,

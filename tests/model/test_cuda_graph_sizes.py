@@ -15,15 +15,17 @@ def test_capture_sizes_pad_every_batch_to_a_captured_size():
 
 def test_cpu_models_step_without_graphs(tiny_checkpoint):
     from elastic_hf import ElasticModel
+    from elastic_hf.model.runner import ModelRunner
 
     with ElasticModel.from_pretrained(tiny_checkpoint("llama"), kv_cache_memory=4 << 20) as model:
-        assert model.worker.instance.runner.decode_graphs is None
+        assert type(model.worker.instance.runner) is ModelRunner   # no graph wrapper on the CPU
 
 
 def test_a_failed_capture_leaves_the_model_eager_with_the_same_tokens(tiny_checkpoint, caplog):
-    """The runner's fallback, driven on the CPU by a graphs object whose capture fails: the step runs eagerly, graphs
-    stay off afterwards with one warning, and the tokens are the eager ones."""
+    """The graph runner's fallback, driven on the CPU by a graphs object whose capture fails: the step runs eagerly,
+    graphs stay off afterwards with one warning, and the tokens are the eager ones."""
     from elastic_hf import ElasticModel
+    from elastic_hf.model.cuda_graph_runner import CudaGraphRunner
     from elastic_hf.model.cuda_graphs import GraphCaptureError
 
     class FailingGraphs:
@@ -39,9 +41,9 @@ def test_a_failed_capture_leaves_the_model_eager_with_the_same_tokens(tiny_check
     prompts = [[5, 6, 7], [8, 9, 10, 11], list(range(20, 40)), [3]]
     with ElasticModel.from_pretrained(tiny_checkpoint("llama"), kv_cache_memory=4 << 20) as model:
         want = [o.outputs[0].token_ids for o in model.generate(prompts, max_tokens=6, ignore_eos=True)]
-        runner = model.worker.instance.runner
-        runner.decode_graphs = FailingGraphs()
-        with caplog.at_level("WARNING", logger="elastic_hf.model.runner"):
+        instance = model.worker.instance
+        runner = instance.runner = CudaGraphRunner(instance.runner, FailingGraphs())
+        with caplog.at_level("WARNING", logger="elastic_hf.model.cuda_graph_runner"):
             got = [o.outputs[0].token_ids for o in model.generate(prompts, max_tokens=6, ignore_eos=True)]
     assert got == want
     assert FailingGraphs.calls == 1 and runner.decode_graphs is None

@@ -17,7 +17,7 @@ def test_typed_calls_name_worker_methods_and_sub_objects():
     assert rpc_name(Worker.init_kv) == "init_kv"
     assert rpc_name(Worker.execute_pipeline) == "execute_pipeline"
     assert rpc_name(MorphExecutor.sync) == "morph.sync"
-    assert rpc_name(KVExchangeParticipant.attach) == "exchange.attach"
+    assert rpc_name(KVExchangeParticipant.room_blocks) == "exchange.room_blocks"
     assert rpc_name("arm_step_fault") == "arm_step_fault"
     with pytest.raises(ValueError, match="not a method"):
         rpc_name(len)
