@@ -112,6 +112,9 @@ class OverloadConfig:
             raise ValueError(f"exchange must be 'coordinated' or 'blocking', got {self.exchange!r}")
 
 
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "builtin")   # kv/prefix_cache.py
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None             # checkpoint dir or .gguf file; None: the embedded SmolLM2-135M-Instruct
@@ -129,6 +132,10 @@ class EngineConfig:
     # be (CPU, one worker, no morphing: weights that never change after load), off elsewhere.
     packed_weights: str = "auto"
     block_size: int = 16                 # tokens per KV block
+    # Automatic prefix caching (kv/prefix_cache.py, vLLM's APC): computed full blocks are found again by later
+    # prompts with the same prefix. The hash: sha256 (vLLM's default) or builtin (Python's, faster, 64 bits).
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
     # -- scheduling, per instance
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -212,6 +219,9 @@ class EngineConfig:
             self.morph = MorphConfig(**self.morph)
         self._check_overload()
         self._check_packed_weights()
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {PREFIX_CACHING_HASH_ALGOS}, got "
+                             f"{self.prefix_caching_hash_algo!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.chat_template is not None:

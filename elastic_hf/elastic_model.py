@@ -272,15 +272,25 @@ class ElasticModel:
 
     def memory_report(self) -> dict:
         """Committed bytes summed over the workers (budget, weights, KV, free; KV blocks), plus each worker's own
-        ledger under "workers" (with one worker, its fields are also at the top level)."""
+        ledger under "workers" (with one worker, its fields are also at the top level), and the prefix cache: blocks
+        it names (in use or free) and its hit rate over the prompt tokens looked up."""
         workers = self.deployment.memory_report()
         totals = {key: sum(w[key] for w in workers) for key in _MEMORY_TOTALS}
         instances = self.deployment.instances
         single = workers[0] if len(workers) == 1 else {}  # one worker: its ledger and block size at the top
+        stats = self.deployment.stats()
         return {**single, **totals, "kv_blocks_total": sum(i.engine.scheduler.kv.num_total for i in instances),
                 "kv_blocks_used": sum(i.engine.scheduler.kv.num_used for i in instances),
                 "kv_block_size": self.config.block_size, "topology": str(self.deployment.topology),
+                "prefix_cache": {"enabled": self.config.enable_prefix_caching,
+                                 **{key.removeprefix("prefix_cache_"): stats[key] for key in stats
+                                    if key.startswith("prefix_cache_")}},
                 "workers": workers}
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); returns how many blocks the cache named. With a
+        server running, call it on its engine thread (POST /reset_prefix_cache does)."""
+        return self.deployment.reset_prefix_cache()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -31,7 +31,7 @@ SMOKE_TESTS = (
 SLOW_PREFIXES = (
     "tests/parallel/test_pipeline.py", "tests/parallel/test_param_drop.py", "tests/parallel/test_tp_greedy.py",
     "tests/parallel/test_reshape.py", "tests/parallel/test_deployment_morph.py",
-    "tests/parallel/test_lookahead_pipeline.py",
+    "tests/parallel/test_lookahead_pipeline.py", "tests/parallel/test_prefix_cache_elastic.py",
     "tests/serving/test_cli.py", "tests/serving/test_serve_flags.py", "tests/serving/test_admin_reshape.py",
     "tests/serving/test_admin_drop.py", "tests/serving/test_auth.py",
     "tests/test_examples.py", "tests/test_standalone.py::test_readme_test_command_passes_in_a_copy",

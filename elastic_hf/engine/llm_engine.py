@@ -122,6 +122,8 @@ class LLMEngine:
         for hook in self.step_boundary_hooks:
             hook(self)
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.prefix_cache_queries:
+            self.metrics.on_prefix_cache(scheduler_output.prefix_cache_queries, scheduler_output.prefix_cache_hits)
         if not scheduler_output:
             self._update_gauges()
             return []
@@ -272,6 +274,9 @@ class LLMEngine:
             raise ValueError(f"request id {request.request_id!r} is already in this engine")
         running, waiting = [], []
         for seq in request.seqs:
+            # Its KV was computed in another instance (another layout): none of it becomes findable here, and a
+            # recompute hashes its chain anew in this instance's cache epoch.
+            seq.cache_epoch = None
             if recompute and seq.status is SeqStatus.RUNNING:
                 self.scheduler.reset_for_recompute(seq)
             if seq.seq_id in block_ids:
@@ -325,7 +330,12 @@ class LLMEngine:
 
     def stats(self) -> dict:
         kv = self.scheduler.kv
+        cache = kv.prefix_cache
         return {"kv_blocks_used": kv.num_used, "kv_blocks_total": kv.num_total,
+                "prefix_cache_blocks": len(cache) if cache is not None else 0,
+                "prefix_cache_free_blocks": kv.num_cached_free,
+                "prefix_cache_queried_tokens": cache.num_queried_tokens if cache is not None else 0,
+                "prefix_cache_hit_tokens": cache.num_hit_tokens if cache is not None else 0,
                 "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
                 "num_exchanging": len(self.scheduler.exchanging),
                 "num_preemptions": self.scheduler.num_preemptions, "num_requests": len(self.requests),

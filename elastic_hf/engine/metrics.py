@@ -73,6 +73,10 @@ class EngineMetrics:
         self.e2e = Histogram("elastic_hf_e2e_request_latency_seconds",
                              "Arrival to finish of a request (aborted and failed ones included)",
                              buckets=E2E_BUCKETS, registry=r)
+        self.prefix_cache_queries = Counter("elastic_hf_prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_cache_hits = Counter("elastic_hf_prefix_cache_hits",
+                                         "Prompt tokens the prefix cache held (not computed again)", registry=r)
         self.preemptions = Counter("elastic_hf_preemptions", "Requests preempted (recompute) for lack of KV blocks",
                                    registry=r)
         self.kv_blocks_used = Gauge("elastic_hf_kv_blocks_used", "KV cache blocks in use", registry=r)
@@ -131,6 +135,15 @@ class EngineMetrics:
     def observe_tpot(self, seconds: float) -> None:
         self.tpot.observe(max(0.0, seconds))
         self.vllm["inter_token_latency_seconds"].observe(max(0.0, seconds))
+
+    def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Prompt tokens looked up in the prefix cache at admission, and of them found computed."""
+        if queried_tokens > 0:
+            self.prefix_cache_queries.inc(queried_tokens)
+            self.vllm["prefix_cache_queries"].inc(queried_tokens)
+        if hit_tokens > 0:
+            self.prefix_cache_hits.inc(hit_tokens)
+            self.vllm["prefix_cache_hits"].inc(hit_tokens)
 
     def on_preemption(self, n: int = 1) -> None:
         if n > 0:
@@ -212,6 +225,11 @@ def _vllm_families(registry: CollectorRegistry, max_model_len: int) -> dict[str,
                                      registry=r),
         "request_success": Counter("vllm:request_success", "Count of successfully processed requests.",
                                    labels + ["finished_reason"], registry=r),
+        "prefix_cache_queries": Counter("vllm:prefix_cache_queries",
+                                        "Prefix cache queries, in terms of number of queried tokens.", labels,
+                                        registry=r),
+        "prefix_cache_hits": Counter("vllm:prefix_cache_hits",
+                                     "Prefix cache hits, in terms of number of cached tokens.", labels, registry=r),
     }
     for name, doc, buckets in (
             ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", VLLM_TTFT_BUCKETS),

@@ -53,7 +53,8 @@ class OutputProcessor:
             request.finish_time = time.time()
         return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished,
                              request.arrival_time, request.first_token_time, request.finish_time,
-                             request.prompt_logprobs, request.error)
+                             request.prompt_logprobs, request.error,
+                             max(seq.num_cached_tokens for seq in request.seqs))
 
     def _completion(self, seq: Sequence, kind: RequestOutputKind) -> CompletionOutput:
         """One sequence's output; advances what it has emitted."""

@@ -42,6 +42,7 @@ class RequestOutput:
     # each prompt token given the ones before it.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None                # set when the engine failed this request alone (finish_reason "error")
+    num_cached_tokens: int = 0              # prompt tokens the prefix cache held at admission (vLLM's name)
 
     @property
     def num_generated_tokens(self) -> int:

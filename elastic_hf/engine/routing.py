@@ -7,13 +7,18 @@ The deployment executes it. Routers:
   worker first; long requests prefer instances already at TP > 1 (consecutive long requests reuse the merge), short
   ones see a merged instance as one request busier so that it drains and can split back;
 - "least_load" and "round_robin": the baselines; with an elastic TP policy they scale up around the instance they
-  picked when it cannot hold the request."""
+  picked when it cannot hold the request.
+With prefix caching, "elastic" and "least_load" are cache-aware (SGLang's router, bounded by load): among the
+instances whose KV load is within CACHE_AFFINITY_SLACK of their pick's, the one holding the longest cached prefix of
+the request wins, so a conversation's turns return to the instance that holds its history."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
 from elastic_hf.config import EngineConfig
+
+CACHE_AFFINITY_SLACK = 0.25   # KV-load fraction an instance may be above the pick and still win on cached prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +30,7 @@ class InstanceLoad:
     num_requests: int
     num_long: int            # running requests too long for a TP1 instance
     num_split_blocks: int = 0  # blocks of the two instances it would split into (0 at TP1)
+    num_cached_blocks: int = 0   # full blocks of the request being routed that its prefix cache holds
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,7 +92,7 @@ class TPPolicy:
             pick = loads[next(self._rr) % len(loads)]
             return pick.index, pick.num_free_blocks >= num_blocks
         if router == "least_load":
-            pick = min(loads, key=lambda x: (x.load, x.num_requests, x.index))
+            pick = _prefer_cached(loads, min(loads, key=lambda x: (x.load, x.num_requests, x.index)))
             return pick.index, pick.num_free_blocks >= num_blocks
         fits = [x for x in loads if x.num_free_blocks >= num_blocks]
         if not fits:
@@ -102,7 +108,8 @@ class TPPolicy:
         else:
             # Compute load decides (requests per worker: a merged instance's KV fraction looks small because its
             # capacity is large); a merged instance counts one request more so that it drains and splits back.
-            pick = min(fits, key=lambda x: ((x.num_requests + (x.tp > 1)) / x.tp, x.tp, x.index))
+            pick = _prefer_cached(fits, min(fits, key=lambda x: ((x.num_requests + (x.tp > 1)) / x.tp, x.tp,
+                                                                  x.index)))
         return pick.index, True
 
     # ------------------------------------------------------------------ scale-up (x2, least-loaded equal TP)
@@ -136,3 +143,11 @@ class TPPolicy:
                 half = x.tp // 2
                 return sizes[:i] + (half, half) + sizes[i + 1:]
         return None
+
+
+def _prefer_cached(candidates: list[InstanceLoad], pick: InstanceLoad) -> InstanceLoad:
+    """The candidate holding the longest cached prefix of the request among those whose KV load is at most
+    CACHE_AFFINITY_SLACK above the pick's; the pick itself when none holds more than it."""
+    near = [x for x in candidates if x.load <= pick.load + CACHE_AFFINITY_SLACK]
+    best = max(near, key=lambda x: (x.num_cached_blocks, x is pick), default=pick)
+    return best if best.num_cached_blocks > pick.num_cached_blocks else pick

@@ -36,6 +36,9 @@ class SamplingParams:
     logprobs: int | None = None        # None: none; k >= 0: each output token's log-probability and the top k
     prompt_logprobs: int | None = None   # the same for every prompt token (OpenAI's echo with logprobs)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Not a sampling knob but a property of the request that travels with it (vLLM's cache_salt): prompt KV is
+    # shared through the prefix cache only between requests of the same salt (kv/prefix_cache.py).
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

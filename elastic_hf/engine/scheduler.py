@@ -19,6 +19,7 @@ from elastic_hf.config import EngineConfig
 from elastic_hf.engine.sequence import Sequence, SeqStatus
 from elastic_hf.engine.step_plan import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from elastic_hf.kv.kv_manager import KVManager
+from elastic_hf.kv.prefix_cache import extend_block_hashes
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
@@ -72,15 +73,58 @@ class Scheduler:
     def reset_for_recompute(self, seq: Sequence) -> None:
         """A sequence whose KV cache is gone (freed here, or left behind by a reshape) waits to be prefilled
         again with its generated tokens; counted as a preemption."""
-        seq.block_ids = []
-        seq.num_computed_tokens = 0
+        self._forget_computed(seq)
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.num_preemptions += 1
 
+    @staticmethod
+    def _forget_computed(seq: Sequence) -> None:
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    # ------------------------------------------------------------------ prefix caching (kv/prefix_cache.py)
+    def _take_cached_prefix(self, seq: Sequence) -> int:
+        """Hold the cached blocks of the longest computed prefix of `seq` (never its last token, whose logits the
+        step needs; nothing for a request that asks for prompt log-probabilities, which need every position's
+        logits) and count those tokens computed. Returns how many tokens that is."""
+        epoch = self.kv.cache_epoch
+        if seq.cache_epoch != epoch:   # admitted in this epoch of this instance's cache: it may register blocks
+            seq.cache_epoch, seq.num_registered_blocks = epoch, 0
+        if epoch is None or seq.params.prompt_logprobs is not None:
+            return 0
+        num_blocks = (len(seq.token_ids) - 1) // self.block_size
+        hit = self.kv.lookup_prefix(self._block_hashes(seq, num_blocks)[:num_blocks])
+        if not hit:
+            return 0
+        self.kv.take_cached(hit)
+        seq.block_ids = list(hit)
+        seq.num_computed_tokens = len(hit) * self.block_size
+        seq.num_registered_blocks = len(hit)
+        return seq.num_computed_tokens
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list:
+        """The hashes of the first `num_blocks` full blocks of `seq` (its chain, extended as far as needed)."""
+        return extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, num_blocks,
+                                   self.kv.prefix_cache.hash, seq.params.cache_salt)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Name the blocks `seq` has just filled, so later prompts with the same prefix find them."""
+        if seq.cache_epoch is None or seq.cache_epoch != self.kv.cache_epoch:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
+        if full <= seq.num_registered_blocks:
+            return
+        hashes = self._block_hashes(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.kv.cache_block(seq.block_ids[i], hashes[i])
+        seq.num_registered_blocks = full
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        queries = hits = 0
 
         # Running sequences first, oldest first: they already hold blocks and their users wait on tokens.
         i = 0
@@ -101,22 +145,34 @@ class Scheduler:
             i += 1
 
         # Admit waiting sequences while the budget, the sequence cap and the free blocks allow. Never preempt for
-        # a newcomer.
+        # a newcomer. A sequence with nothing computed (new, or preempted) first takes the cached blocks of its
+        # longest computed prefix and skips those tokens.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            fresh = not seq.block_ids and not seq.num_computed_tokens
+            cached = self._take_cached_prefix(seq) if fresh else 0
             num_new = min(seq.num_uncomputed_tokens, budget)
             needed = self.blocks_needed(seq, num_new)
             if not self.kv.can_allocate(needed):
+                if cached:   # give the prefix back (it stays cached) and wait, as without a cache
+                    self.kv.free(seq.block_ids)
+                    self._forget_computed(seq)
                 break
             self.waiting.popleft()
             seq.block_ids.extend(self.kv.allocate(needed))
             seq.status = SeqStatus.RUNNING
             if seq.scheduled_time is None:   # the first admission only: a recompute does not queue anew
                 seq.scheduled_time = time.time()
+                seq.num_cached_tokens = cached
+            if fresh and self.kv.prefix_cache is not None and seq.params.prompt_logprobs is None:
+                queries += len(seq.token_ids)
+                hits += cached
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
-        return SchedulerOutput(scheduled)
+        if queries:
+            self.kv.prefix_cache.count_lookups(queries, hits)
+        return SchedulerOutput(scheduled, queries, hits)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> int:
         """Advance every sequence of the step: its scheduled tokens are in the cache now, and each sampling row's
@@ -129,6 +185,9 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 num_prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += s.num_new_tokens
+        if self.kv.prefix_cache is not None:
+            for s in scheduler_output.scheduled:
+                self._register_full_blocks(s.seq)
         logprobs = runner_output.logprobs
         for row, (seq, token) in enumerate(zip(scheduler_output.sampling_seqs, runner_output.sampled_token_ids)):
             if token is None or seq.is_finished:

@@ -37,6 +37,13 @@ class Sequence:
     num_emitted_tokens: int = 0
     sampler_state: object = None     # per-sequence logits processors and RNG, owned by the sampler
     logprobs: list = field(default_factory=list)   # TokenLogprob per output token, when params.logprobs is set
+    # Prefix caching (kv/prefix_cache.py): the hashes of the sequence's full blocks so far (a chain begun in
+    # `cache_epoch`; None: the sequence neither finds nor registers blocks), how many of its blocks the cache names
+    # already, and how many prompt tokens its first admission found computed (usage.cached_tokens).
+    block_hashes: list = field(default_factory=list)
+    cache_epoch: int | None = None
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -29,6 +29,9 @@ class SchedulerOutput:
     whether a chunk completes its sequence is a property of the state before the step). Iterating it yields the
     ScheduledSeq records."""
     scheduled: list[ScheduledSeq]
+    # Prefix-cache lookups of the sequences admitted this step: prompt tokens looked up, and of them found computed.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     sampling_seqs: list[Sequence] = field(init=False)
 
     def __post_init__(self):

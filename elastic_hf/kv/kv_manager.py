@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elastic_hf.kv.block_allocator import BlockAllocator, NoFreeBlocksError
+from elastic_hf.kv.prefix_cache import BlockHash, PrefixCache
 from elastic_hf.units import ceil_div
 
 __all__ = ["KVManager", "KVResize", "NoFreeBlocksError"]
@@ -41,15 +42,19 @@ PoolChannel = Callable[[KVResize], list[list[int]]]
 
 
 class KVManager:
-    def __init__(self, num_blocks: int, block_size: int, pools: PoolChannel | None = None):
+    def __init__(self, num_blocks: int, block_size: int, pools: PoolChannel | None = None,
+                 prefix_cache: PrefixCache | None = None):
         """Blocks 0 .. num_blocks - 1 attached (what the workers' pools commit at start), `block_size` tokens each.
         pools: the channel to the instance's page pools (None: a manager whose capacity never changes, such as a
-        unit test's or a reshape's plan before its instance exists; `bind_pools` binds one later)."""
+        unit test's or a reshape's plan before its instance exists; `bind_pools` binds one later).
+        prefix_cache: computed full blocks stay findable by their hash after their sequences free them
+        (kv/prefix_cache.py); None: prefix caching off."""
         if num_blocks < 0 or block_size < 1:
             raise ValueError(f"need num_blocks >= 0 and block_size >= 1, got {num_blocks} and {block_size}")
         self.block_size = block_size
         self._allocator = BlockAllocator(range(num_blocks))
         self._pools = pools
+        self.prefix_cache = prefix_cache
         # Blocks of sequences that ended while a KV exchange still writes into them: free once it is over.
         self._held: list[int] = []
         self.num_grown = 0       # blocks attached / detached by resizes since start (cumulative)
@@ -90,11 +95,18 @@ class KVManager:
 
     # ------------------------------------------------------------------ blocks of sequences
     def allocate(self, num_blocks: int) -> list[int]:
-        """Raises NoFreeBlocksError ("need 12 blocks, 3 free of 64") when they are not there."""
-        return self._allocator.allocate(num_blocks)
+        """Raises NoFreeBlocksError ("need 12 blocks, 3 free of 64") when they are not there. Cached free blocks
+        are taken last, and taking one evicts it from the prefix cache."""
+        block_ids = self._allocator.allocate(num_blocks)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(block_ids)
+        return block_ids
 
     def free(self, block_ids: list[int]) -> None:
-        self._allocator.free(block_ids)
+        """A block whose last holder leaves stays cached (allocatable, last in line) when the prefix cache names
+        it."""
+        cache = self.prefix_cache
+        self._allocator.free(block_ids, cache.is_cached if cache is not None else None)
 
     def share(self, block_ids: list[int]) -> None:
         """Another holder of blocks in use (their KV is reused, not copied)."""
@@ -103,6 +115,38 @@ class KVManager:
     def hold(self, block_ids: list[int]) -> None:
         """Keep the blocks of a sequence that ended during a KV exchange out of circulation until it is over."""
         self._held.extend(block_ids)
+
+    # ------------------------------------------------------------------ prefix cache
+    @property
+    def cache_epoch(self) -> int | None:
+        """The prefix cache's epoch (None: caching off); a sequence whose hash chain began in another epoch neither
+        finds nor registers blocks."""
+        return self.prefix_cache.epoch if self.prefix_cache is not None else None
+
+    @property
+    def num_cached_free(self) -> int:
+        return self._allocator.num_cached_free
+
+    def lookup_prefix(self, hashes: list[BlockHash]) -> list[int]:
+        """Block ids of the longest cached prefix of a sequence's full-block hashes (nothing is taken yet)."""
+        return self.prefix_cache.lookup(hashes) if self.prefix_cache is not None else []
+
+    def take_cached(self, block_ids: list[int]) -> None:
+        """A sequence holds these cached blocks from now on (in use by others or cached free)."""
+        self._allocator.acquire(block_ids)
+
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
+        """A sequence just computed this full block (it holds it): findable under `block_hash` from now on."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(block_id, block_hash)
+
+    def reset_prefix_cache(self) -> int:
+        """A new cache epoch: every hash is forgotten and cached free blocks become plain free ones (a precision
+        morph changed the weights that computed them; POST /reset_prefix_cache). Returns how many were named."""
+        if self.prefix_cache is None:
+            return 0
+        self._allocator.uncache_all()
+        return self.prefix_cache.new_epoch()
 
     def release_held(self) -> int:
         """The exchange is over (done or lost): held blocks go back. Returns how many."""
@@ -147,8 +191,13 @@ class KVManager:
             except BaseException:
                 self._allocator.attach(block_ids)   # the pools kept them (a failed worker is recovered anyway)
                 raise
+            self._forget(block_ids)
             self.num_shrunk += len(block_ids)
         return block_ids
+
+    def _forget(self, block_ids: list[int]) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(block_ids)
 
     def shrink_to(self, num_blocks: int) -> list[int]:
         """Shrink until at most `num_blocks` are attached (free blocks only); returns the ids given up."""
@@ -158,7 +207,7 @@ class KVManager:
         """A reshape planned this manager at its instance's capacity, and a deferred-KV commit left the new pools
         with only blocks 0 .. num_committed - 1 (the moved KV's): drop the free blocks beyond them, which no pool
         holds, before the instance's first step."""
-        self._allocator.detach_from(num_committed)
+        self._forget(self._allocator.detach_from(num_committed))
 
     def reset(self, num_blocks: int) -> None:
         """Start over with blocks 0 .. num_blocks - 1 on the manager and every pool of the instance (a worker of it
@@ -170,3 +219,5 @@ class KVManager:
         self._resize_pools(KVResize(reset_to=num_blocks))
         self._allocator = BlockAllocator(range(num_blocks))
         self._held = []
+        if self.prefix_cache is not None:   # the replaced worker's pages are gone, and with them the cached KV
+            self.prefix_cache.new_epoch()

@@ -204,6 +204,10 @@ class MorphManager:
     def _send(self, requests, wait_copies: bool) -> MorphReport:
         report = self.send("morph.sync", MorphCommand(list(requests), wait_copies))
         self._report = report
+        if report.records:
+            # Layers switched precision: KV cached under the old weights would differ from what the new ones compute,
+            # so the prefix cache starts a new epoch (exact outputs, as without a cache; kv/prefix_cache.py).
+            self.kv.reset_prefix_cache()
         for record in report.records:
             self.recent_swaps.append(record)
             if self.metrics is not None:

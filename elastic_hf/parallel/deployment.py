@@ -23,6 +23,7 @@ from elastic_hf.engine.sampler import request_seeds
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import Scheduler
 from elastic_hf.kv.kv_manager import KVManager
+from elastic_hf.kv.prefix_cache import PrefixCache, hash_function, prompt_lookup_hashes
 from elastic_hf.layers.shard_layout import allowed_tp_degrees
 from elastic_hf.morph.builder import create_manager, swap_order
 from elastic_hf.morph.manager import MorphManager
@@ -74,6 +75,7 @@ class Deployment:
         # --seed: one stream of request seeds across the instance engines, drawn in order of acceptance
         self._request_seeds = request_seeds(config.seed) if config.seed is not None else None
         self.policy = TPPolicy(config, self.degrees)
+        self._hash_fn = hash_function(config.prefix_caching_hash_algo)   # cache-aware routing hashes prompts once
         self.morph_managers: dict[int, MorphManager] = {}
         self.overload: OverloadControl | None = None
         self.pool: Executor | None = None   # the executor of the workers (parallel/executor.py)
@@ -139,6 +141,8 @@ class Deployment:
     def _new_instance(self, key: tuple[tuple[int, ...], InstanceShape], kv: KVManager) -> Instance:
         workers, shape = key
         kv.bind_pools(lambda resize: self.pool.collective_rpc(Worker.resize_kv, (resize,), workers))
+        if self.config.enable_prefix_caching:
+            kv.prefix_cache = PrefixCache(self.config.prefix_caching_hash_algo)
         runner = InstanceRunner(self.pool, workers, shape, self.deployment_metrics.on_pipeline_step)
         engine = LLMEngine(runner, Scheduler(self.config, kv, shape.pp), self.tokenizer,
                            model_id=self.model_id, max_model_len=self.max_model_len,
@@ -189,9 +193,9 @@ class Deployment:
         live = sum(i.engine.num_computed_prompt_tokens for i in self.instances)
         return self.retired["num_computed_prompt_tokens"] + live
 
-    def loads(self) -> list[InstanceLoad]:
-        """What the routing policy reads of every instance."""
-        return instance_loads(self.instances, self.capacity, self.long_request_ids)
+    def loads(self, prompt_hashes: list | None = None) -> list[InstanceLoad]:
+        """What the routing policy reads of every instance (with the cached prefix of a request being routed)."""
+        return instance_loads(self.instances, self.capacity, self.long_request_ids, prompt_hashes)
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | EngineRequest,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
@@ -213,7 +217,7 @@ class Deployment:
         need = ceil_div(len(request.prompt_token_ids) + params.max_tokens, self.config.block_size) * params.n
         is_long = need > self.tp1_blocks
         if instance is None:
-            instance = self._admit(need, is_long)
+            instance = self._admit(need, is_long, self._lookup_hashes(request))
         engine = self.instances[instance].engine
         if engine.scheduler.kv.num_total < need and len(self.instances) > 1:
             raise InvalidRequest(f"request needs {need} KV blocks; instance {instance} of topology {self.topology} "
@@ -225,11 +229,17 @@ class Deployment:
             self.long_request_ids.add(request_id)
         return request_id
 
-    def _admit(self, need: int, is_long: bool) -> int:
+    def _lookup_hashes(self, request: EngineRequest) -> list | None:
+        """The prompt's prefix-cache lookup hashes (the same in every instance), when routing has a choice."""
+        if self.config.enable_prefix_caching and len(self.instances) > 1 and not request.params.prompt_logprobs:
+            return prompt_lookup_hashes(request.prompt_token_ids, self.config.block_size, self._hash_fn,
+                                        request.params.cache_salt)
+
+    def _admit(self, need: int, is_long: bool, prompt_hashes: list | None = None) -> int:
         # The elastic TP policy merges and splits TP instances; with a pipelined instance it only routes.
         merge_failed = not self.topology.is_tensor_only
         for _ in range(len(self.degrees) + 1):
-            admission = self.policy.admit(self.loads(), self.topology.sizes, need, is_long, merge_failed)
+            admission = self.policy.admit(self.loads(prompt_hashes), self.topology.sizes, need, is_long, merge_failed)
             if admission.merge_to is None:
                 return admission.instance
             try:
@@ -238,7 +248,7 @@ class Deployment:
                 self.num_rejected_reshapes += 1
                 merge_failed = True
                 log.info("scale-up to %s refused: %s", list(admission.merge_to), exc)
-        return self.policy.admit(self.loads(), self.topology.sizes, need, is_long, True).instance
+        return self.policy.admit(self.loads(prompt_hashes), self.topology.sizes, need, is_long, True).instance
 
     def abort_request(self, request_id: str) -> None:
         """Idempotent: a no-op for unknown or finished requests."""
@@ -302,8 +312,7 @@ class Deployment:
         try:
             self.reshape(target)
         except (ValueError, ReshapeAborted) as exc:
-            # The running requests do not fit the split instances yet (the plan says so, or a worker's budget
-            # refused the pages and the transaction rolled back): the old topology serves on, retry later.
+            # The running requests do not fit the halves yet (plan or budget said so): serve on, retry later.
             self.num_rejected_reshapes += 1
             self._scale_down_backoff = SCALE_DOWN_BACKOFF_STEPS
             log.info("scale-down to %s postponed: %s", list(target), exc)
@@ -313,6 +322,11 @@ class Deployment:
 
     def stats(self) -> dict:
         return deployment_stats(self)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix of every instance (POST /reset_prefix_cache); between steps. Returns how many
+        blocks the caches named."""
+        return sum(inst.engine.scheduler.kv.reset_prefix_cache() for inst in self.instances)
 
     def memory_report(self) -> list[dict]:
         """Every worker's ledger (committed bytes per owner, KV blocks, RSS)."""
@@ -326,19 +340,6 @@ class Deployment:
         reshape); the TP policy's own merges and splits wait instead. overlap_weights=False loads the new
         weights after the KV migration instead of during it (for measurements)."""
         return run_reshape(self, target, weights_source, allow_preemption, overlap_weights)
-
-    def restore_full_precision(self, workers: list[int]) -> None:
-        """Before a reshape moves these workers: their layers go back to fp (a TP shard is full precision). Raises
-        ReshapeAborted when a restore waits for KV blocks still in use (nothing has changed then)."""
-        for w in workers:
-            manager = self.morph_managers.get(w)
-            if manager is None or manager.is_full_precision():
-                continue
-            state = manager.restore_now()
-            if not manager.is_full_precision():
-                raise ReshapeAborted(f"worker {w} still runs layers {state['pending']} below full precision: "
-                                     f"restoring them needs KV blocks that are in use ({state['kv_blocks_used']} "
-                                     f"of {state['kv_blocks_total']} used); retry when load is lower")
 
     def resume(self, new: Topology, plan, placement) -> None:
         self.instances, retired = resume_instances(self.instances, new, plan, placement, self._new_instance)

@@ -145,7 +145,10 @@ def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int,
     return plan, placement
 
 
-RETIRED_COUNTERS = ("num_computed_prompt_tokens", "num_steps", "num_preemptions")
+# Counters of the engines a reshape retires, kept by the deployment; the last: prefix-cache blocks they named,
+# which go with them (a new instance starts with an empty cache; a kept one keeps its own).
+RETIRED_COUNTERS = ("num_computed_prompt_tokens", "num_steps", "num_preemptions", "prefix_cache_queried_tokens",
+                    "prefix_cache_hit_tokens", "prefix_cache_dropped_blocks")
 
 
 def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: RequestPlacement, make_instance):
@@ -156,7 +159,9 @@ def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: Req
     must not fall back when an engine is replaced)."""
     new_block_ids = {(m.src_instance, m.src_blocks): list(m.dst_blocks) for m in plan.moves}
     retired_engines = [inst.engine for idx, inst in enumerate(instances) if idx not in plan.kept.values()]
-    retired = {key: sum(e.stats()[key] for e in retired_engines) for key in RETIRED_COUNTERS}
+    retired_stats = [{**e.stats(), "prefix_cache_dropped_blocks": e.stats()["prefix_cache_blocks"]}
+                     for e in retired_engines]
+    retired = {key: sum(s[key] for s in retired_stats) for key in RETIRED_COUNTERS}
     out = []
     for idx, key in enumerate(new.instance_keys()):
         if idx in plan.kept:
@@ -177,6 +182,20 @@ def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: Req
     return out, retired
 
 
+def restore_full_precision(morph_managers: dict, workers: list[int]) -> None:
+    """Before a reshape moves these workers: their layers go back to fp (a TP shard is full precision). Raises
+    ReshapeAborted when a restore waits for KV blocks still in use (nothing has changed then)."""
+    for w in workers:
+        manager = morph_managers.get(w)
+        if manager is None or manager.is_full_precision():
+            continue
+        state = manager.restore_now()
+        if not manager.is_full_precision():
+            raise ReshapeAborted(f"worker {w} still runs layers {state['pending']} below full precision: "
+                                 f"restoring them needs KV blocks that are in use ({state['kv_blocks_used']} "
+                                 f"of {state['kv_blocks_total']} used); retry when load is lower")
+
+
 def run_reshape(deployment, target, weights_source: str | None = None, allow_preemption: bool = False,
                 overlap_weights: bool = True, defer_kv: bool = False) -> ReshapeReport:
     """Change the deployment's topology in place, e.g. [1, 1] -> [2] -> [1, 1]. Call between steps (the
@@ -193,7 +212,7 @@ def run_reshape(deployment, target, weights_source: str | None = None, allow_pre
     # Scale-down refills shard chunks: over the GPU interconnect from peers is faster than host-to-device copies;
     # on CPU the shared host store is a plain memcpy and beats a loopback transfer.
     weights_source = weights_source or ("peers" if deployment.config.device.startswith("cuda") else "host")
-    deployment.restore_full_precision(changing_workers(old, new))
+    restore_full_precision(deployment.morph_managers, changing_workers(old, new))
     if not (old.is_tensor_only and new.is_tensor_only):
         weights_source = "host"   # the peer gather plan covers TP layouts; layer ranges come from the host store
     pool = deployment.pool

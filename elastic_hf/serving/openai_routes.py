@@ -108,9 +108,10 @@ def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_mo
         if req.stream:
             return EngineStreamingResponse(completion_chunks(streams, ctx, params.n, wants_logprobs), streams)
         finals = await collect(streams, request)
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
         for i, out in enumerate(finals):
             prompt_tokens += len(out.prompt_token_ids)
+            cached_tokens += out.num_cached_tokens
             prefix = echo_text(tokenizer, prompts[i]) if req.echo else ""
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
@@ -123,7 +124,7 @@ def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_mo
                 choices.append(p.CompletionChoice(index=i * params.n + o.index, text=prefix + o.text,
                                                   logprobs=logprobs, finish_reason=o.finish_reason))
         return p.CompletionResponse(**ctx.common(), choices=choices,
-                                    usage=p.UsageInfo.of(prompt_tokens, completion_tokens)).model_dump()
+                                    usage=p.UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens)).model_dump()
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -153,7 +154,8 @@ def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_mo
         choices = [p.ChatChoice(index=o.index, message=p.ChatMessageOut(content=o.text), finish_reason=o.finish_reason,
                                 logprobs=formatter.chat(o.logprobs) if wants_logprobs else None)
                    for o in out.outputs]
-        usage = p.UsageInfo.of(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
+        usage = p.UsageInfo.of(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs),
+                               out.num_cached_tokens)
         return p.ChatCompletionResponse(**ctx.common(), choices=choices, usage=usage).model_dump()
 
     return router

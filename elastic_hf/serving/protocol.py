@@ -55,6 +55,8 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's: requests share cached prompt KV only with requests of the same salt (tenant isolation)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # accepted so clients that always send them work; non-default values are refused (see unsupported())
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -78,7 +80,7 @@ class SamplingRequest(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=self.seed, n=self.n, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            **dict(zip(("logprobs", "prompt_logprobs"), self.logprob_options())),
+            **dict(zip(("logprobs", "prompt_logprobs"), self.logprob_options())), cache_salt=self.cache_salt,
             # a stream sends what is new each step; a plain response needs only the end
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
@@ -173,15 +175,21 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0   # prompt tokens whose KV the prefix cache held (not computed again)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "UsageInfo":
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionLogprobs(BaseModel):

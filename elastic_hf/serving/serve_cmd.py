@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from elastic_hf.config import PREFIX_CACHING_HASH_ALGOS
 from elastic_hf.serving.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, DrainingServer
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -111,6 +112,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 1 GiB)" + _OWN_DEFAULT)
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per KV block, a power of two (default: engine default, 16)" + _OWN_DEFAULT)
+    parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None,
+                        help="reuse the KV of prompt prefixes computed before (vLLM's automatic prefix caching; on "
+                             "unless --no-enable-prefix-caching)")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        default=None, help="compute every prompt in full (no prefix cache)")
+    parser.add_argument("--prefix-caching-hash-algo", default=None, choices=PREFIX_CACHING_HASH_ALGOS,
+                        help="hash naming a cached KV block: sha256 (default, as vLLM) or builtin (Python's hash: "
+                             "faster, 64 bits)")
     parser.add_argument("--max-stop-strings", type=int, default=None,
                         help="most stop strings one request may give; more is a 400 (default: engine default, 64)"
                         + _OWN_DEFAULT)
@@ -158,7 +167,8 @@ def engine_config(args: argparse.Namespace):
                                                        "max_model_len", "router", "block_size", "max_stop_strings",
                                                        "max_stop_string_chars", "max_queued_requests",
                                                        "overload", "cost_profile", "packed_weights", "device",
-                                                       "enforce_eager")
+                                                       "enforce_eager", "enable_prefix_caching",
+                                                       "prefix_caching_hash_algo")
                if getattr(args, name) is not None}
     return EngineConfig(model=args.model, num_workers=args.workers, topology=topology,
                         tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)
@@ -171,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
     from elastic_hf.elastic_model import ElasticModel
     from elastic_hf.engine.async_engine import AsyncEngine
     from elastic_hf.serving.admin_morph import admin_morph_router
+    from elastic_hf.serving.admin_cache import admin_cache_router
     from elastic_hf.serving.admin_drop import admin_drop_router
     from elastic_hf.serving.admin_reshape import admin_reshape_router
     from elastic_hf.serving.app import build_app
@@ -196,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
     app.include_router(admin_morph_router(model, async_engine, admin_key))
     app.include_router(admin_reshape_router(model, async_engine, admin_key))
     app.include_router(admin_drop_router(model, async_engine, admin_key))
+    app.include_router(admin_cache_router(model, async_engine, admin_key))
     logging.getLogger(__name__).info("serving %s (%s) on http://%s:%d with %d worker(s), topology %s (auth %s, "
                                      "admin %s)", model.model_id, model.config.dtype, args.host, args.port,
                                      args.workers, model.deployment.topology,

@@ -141,12 +141,12 @@ class ResponseContext:
 async def completion_chunks(streams: list[RequestStream], ctx: ResponseContext, n: int,
                             logprobs: bool) -> AsyncIterator[str]:
     """SSE events of /v1/completions: choice index = prompt index * n + the choice's index within its prompt."""
-    prompt_tokens: dict[int, int] = {}
+    prompt_tokens: dict[int, tuple[int, int]] = {}   # prompt index -> (prompt tokens, of them cached)
     completion_tokens: dict[tuple[int, int], int] = {}
     text_offsets: dict[tuple[int, int], int] = {}   # characters of each choice's tokens sent so far
     try:
         async for i, out in _merge(streams):
-            prompt_tokens[i] = len(out.prompt_token_ids)
+            prompt_tokens[i] = (len(out.prompt_token_ids), out.num_cached_tokens)
             choices = []
             for o in out.outputs:
                 key = (i, o.index)
@@ -170,7 +170,7 @@ async def completion_chunks(streams: list[RequestStream], ctx: ResponseContext, 
 
 async def chat_chunks(stream: RequestStream, ctx: ResponseContext, n: int, logprobs: bool) -> AsyncIterator[str]:
     """SSE events of /v1/chat/completions: a role-only chunk per choice first, as OpenAI sends."""
-    prompt_tokens: dict[int, int] = {0: 0}
+    prompt_tokens: dict[int, tuple[int, int]] = {0: (0, 0)}   # (prompt tokens, of them cached)
     completion_tokens: dict[tuple[int, int], int] = {}
 
     def chunk(choices, usage=None):
@@ -182,7 +182,7 @@ async def chat_chunks(stream: RequestStream, ctx: ResponseContext, n: int, logpr
     yield chunk([p.ChatChunkChoice(index=k, delta=p.DeltaMessage(role="assistant", content="")) for k in range(n)])
     try:
         async for out in stream:
-            prompt_tokens[0] = len(out.prompt_token_ids)
+            prompt_tokens[0] = (len(out.prompt_token_ids), out.num_cached_tokens)
             choices = []
             for o in out.outputs:
                 key = (0, o.index)
@@ -201,4 +201,5 @@ async def chat_chunks(stream: RequestStream, ctx: ResponseContext, n: int, logpr
 
 
 def _usage(prompt_tokens: dict, completion_tokens: dict) -> p.UsageInfo:
-    return p.UsageInfo.of(sum(prompt_tokens.values()), sum(completion_tokens.values()))
+    return p.UsageInfo.of(sum(n for n, _ in prompt_tokens.values()), sum(completion_tokens.values()),
+                          sum(cached for _, cached in prompt_tokens.values()))

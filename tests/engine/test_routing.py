@@ -62,3 +62,19 @@ def test_config_is_validated():
         EngineConfig(tp_policy="dynamic")
     with pytest.raises(ValueError, match="router"):
         EngineConfig(tp_policy="elastic", router="random")
+
+
+def test_cache_aware_routing_follows_the_cached_prefix_within_the_load_slack():
+    """A request goes where its prefix is cached unless that instance is more than CACHE_AFFINITY_SLACK busier."""
+    from dataclasses import replace
+
+    from elastic_hf.engine.routing import CACHE_AFFINITY_SLACK
+
+    for router in ("least_load", "elastic"):
+        policy = TPPolicy(EngineConfig(router=router))
+        loads = _loads((1, 100, 10, 0), (1, 100, 20, 0), (1, 100, 60, 0))
+        assert policy.route(loads, 5, False) == (0, True)                     # nothing cached: the usual pick
+        warm = [replace(loads[1], num_cached_blocks=6) if x.index == 1 else x for x in loads]
+        assert policy.route(warm, 5, False) == (1, True)                      # 10 % busier holds the history
+        hot = [replace(loads[2], num_cached_blocks=9) if x.index == 2 else x for x in loads]
+        assert 0.6 - 0.1 > CACHE_AFFINITY_SLACK and policy.route(hot, 5, False) == (0, True)   # too busy

@@ -77,8 +77,9 @@ def test_reshape_is_refused_while_a_restore_waits_for_live_kv_blocks(setup):
     per_request = -(-model.max_model_len // 16)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
     ids = []
-    while allocator.num_free >= per_request:
-        ids.append(dep.add_request(None, list(range(3, 3 + length)), params, instance=0))
+    while allocator.num_free >= per_request:   # distinct prompts: no request finds another's blocks cached
+        first = 3 + len(ids)
+        ids.append(dep.add_request(None, list(range(first, first + length)), params, instance=0))
         while dep.instances[0].engine.scheduler.waiting:
             dep.step()
     assert allocator.num_free < 64

@@ -70,9 +70,10 @@ def pp_setup(pp_checkpoint):
     reference, tokenizer = load_hf_model(path)
     prompts = mixed_prompts(tokenizer, 6, 3, 90, seed=23)
     expected = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
-    # A 48-token step budget keeps some prompts mid-prefill (chunked) when a reshape starts.
+    # A 48-token step budget keeps some prompts mid-prefill (chunked) when a reshape starts. No prefix cache: the
+    # tests reuse the prompts and count prefilled tokens to prove that reshapes recompute nothing.
     model = ElasticModel.from_pretrained(path, workers=2, kv_cache_memory=1 << 20, max_num_batched_tokens=48,
-                                         worker_extension_cls=fault_injection.EXTENSION)
+                                         worker_extension_cls=fault_injection.EXTENSION, enable_prefix_caching=False)
     yield model.deployment, prompts, expected
     model.close()
 

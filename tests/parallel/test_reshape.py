@@ -25,7 +25,10 @@ def setup(tp_checkpoint):
     expected = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
     # A 48-token step budget keeps some prompts mid-prefill (chunked) when a reshape starts.
     # 1 MiB of KV per worker: 51 blocks of 16 tokens, so an 880-token request is "long" for a TP1 instance.
-    model = ElasticModel.from_pretrained(path, workers=2, kv_cache_memory=1 << 20, max_num_batched_tokens=48)
+    # No prefix cache: the tests count prefilled prompt tokens to prove that reshapes recompute nothing, and they
+    # reuse the same prompts (tests/parallel/test_prefix_cache_elastic.py covers the cache across reshapes).
+    model = ElasticModel.from_pretrained(path, workers=2, kv_cache_memory=1 << 20, max_num_batched_tokens=48,
+                                         enable_prefix_caching=False)
     yield model.deployment, prompts, expected, reference
     model.close()
 

@@ -109,7 +109,8 @@ def _greedy_references(model, prompts, chats) -> tuple[dict, dict]:
 
 def start_server(model, *, api_key=None, prompts=(), chats=(), max_body_bytes=64 * 1024, request_timeout=None,
                  served_model_name=None, admin_key=None):
-    """admin_key: also mount /admin/morph and /admin/reshape behind that key, as `elastic-hf serve` does."""
+    """admin_key: also mount /admin/morph, /admin/reshape and the prefix-cache routes behind that key, as
+    `elastic-hf serve` does."""
     import uvicorn
 
     from elastic_hf.engine.async_engine import AsyncEngine
@@ -125,6 +126,9 @@ def start_server(model, *, api_key=None, prompts=(), chats=(), max_body_bytes=64
 
         app.include_router(admin_morph_router(model, async_engine, admin_key))
         app.include_router(admin_reshape_router(model, async_engine, admin_key))
+        from elastic_hf.serving.admin_cache import admin_cache_router
+
+        app.include_router(admin_cache_router(model, async_engine, admin_key))
     sock = _free_socket()
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,

@@ -18,7 +18,8 @@ SERVE_FLAGS = ["--host", "--port", "--memory-budget", "--max-model-len", "--dtyp
                "--workers", "--tp", "--tp-policy", "--router", "--kv-cache-memory", "--morph", "--morph-profile",
                "--topology", "--tensor-parallel-size", "--kv-cache-memory-bytes", "--gpu-memory-utilization",
                "--block-size", "--max-stop-strings", "--max-stop-string-chars", "--seed", "--chat-template",
-               "--shutdown-timeout", "--request-timeout", "--device", "--enforce-eager"]
+               "--shutdown-timeout", "--request-timeout", "--device", "--enforce-eager", "--enable-prefix-caching",
+               "--no-enable-prefix-caching", "--prefix-caching-hash-algo"]
 
 
 def _cli() -> list[str]:
