@@ -114,12 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV block, a power of two (default: engine default, 16)" + _OWN_DEFAULT)
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None,
                         help="reuse the KV of prompt prefixes computed before (vLLM's automatic prefix caching; on "
-                             "unless --no-enable-prefix-caching)")
+                             "unless --no-enable-prefix-caching)" + _OWN_DEFAULT)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                        default=None, help="compute every prompt in full (no prefix cache)")
+                        default=None, help="compute every prompt in full (no prefix cache)" + _OWN_DEFAULT)
     parser.add_argument("--prefix-caching-hash-algo", default=None, choices=PREFIX_CACHING_HASH_ALGOS,
                         help="hash naming a cached KV block: sha256 (default, as vLLM) or builtin (Python's hash: "
-                             "faster, 64 bits)")
+                             "faster, 64 bits)" + _OWN_DEFAULT)
     parser.add_argument("--max-stop-strings", type=int, default=None,
                         help="most stop strings one request may give; more is a 400 (default: engine default, 64)"
                         + _OWN_DEFAULT)
