@@ -1,7 +1,8 @@
 """Prefix caching across elastic operations on 2 worker processes: a conversation's turns return to the instance
 that caches its history (cache-aware routing), and its answers stay those of a model without a cache while the
-deployment goes [1,1] -> [2] (TP reshape) -> [1x2] (PP reshape) -> [1,1]. A reshape drops the caches of the instances
-it replaces (counted) and the new instances cache again from the next turn on."""
+deployment goes [1,1] -> [2] (TP reshape) -> [1x2] (PP reshape) -> [1,1] -> a parameter drop -> its restore. Each
+change drops the caches of the instances it replaces (counted), and the new instances cache again from the next
+turn on."""
 from elastic_hf import ElasticModel
 from elastic_hf.engine.sampling_params import SamplingParams
 from deployment_steps import run_steps
@@ -21,10 +22,10 @@ def _turn(dep, prompt, also=()):
     return answer, seq.num_cached_tokens, instance
 
 
-def test_turns_follow_their_cache_and_stay_exact_across_tp_and_pp_reshapes(tp_checkpoint):
+def test_turns_follow_their_cache_and_stay_exact_across_reshapes_and_a_drop(tp_checkpoint):
     path = tp_checkpoint("kv3")
     with ElasticModel.from_pretrained(path, kv_cache_memory=4 << 20, enable_prefix_caching=False) as plain:
-        turns = mixed_prompts(plain.tokenizer, 6, 20, 40, seed=31)
+        turns = mixed_prompts(plain.tokenizer, 9, 20, 40, seed=31)
         expected, prompt = [], []
         for turn in turns:
             prompt = prompt + turn
@@ -32,12 +33,13 @@ def test_turns_follow_their_cache_and_stay_exact_across_tp_and_pp_reshapes(tp_ch
             prompt = prompt + expected[-1]
     with ElasticModel.from_pretrained(path, workers=2, kv_cache_memory=4 << 20) as model:
         dep = model.deployment
-        layouts = {2: [2], 4: ["1x2"], 5: [1, 1]}    # reshape before these turns
+        changes = {2: lambda: dep.reshape([2]), 4: lambda: dep.reshape(["1x2"]), 5: lambda: dep.reshape([1, 1]),
+                   6: model.drop, 8: model.restore}    # before these turns
         prompt, answers, cached, dropped = [], [], [], []
         for k, turn in enumerate(turns):
-            if k in layouts:
+            if k in changes:
                 before = dep.stats()["prefix_cache_dropped_blocks"]
-                dep.reshape(layouts[k])
+                assert changes[k]() is not None
                 dropped.append(dep.stats()["prefix_cache_dropped_blocks"] - before)
             prompt = prompt + turn
             also = []
@@ -56,5 +58,5 @@ def test_turns_follow_their_cache_and_stay_exact_across_tp_and_pp_reshapes(tp_ch
         full = lambda k: (sum(map(len, turns[:k])) + k * MAX_NEW - 1) // BLOCK * BLOCK   # noqa: E731
         # after each reshape the first turn finds nothing (new instances), the next one its previous turn
         assert cached[0] == 0 and cached[1] == full(1) and cached[2] == 0 and cached[3] == full(3)
-        assert cached[4] == 0 and cached[5] == 0
-        assert all(d > 0 for d in dropped)
+        assert cached[4] == 0 and cached[5] == 0 and cached[6] == 0 and cached[7] == full(7) and cached[8] == 0
+        assert str(dep.topology) == "[1,1]" and len(dropped) == 5 and all(d > 0 for d in dropped)
