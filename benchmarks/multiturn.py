@@ -128,14 +128,14 @@ def run_engine(engine: str, args, checkpoint: str, vllm, env, sessions: list[Ses
         server = ServerProcess(flags, env=env)
     report = RunReport()
     try:
-        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=600)
-
         async def main():
-            barrier = asyncio.Barrier(len(sessions)) if engine == "elastic-reshape" else None
-            tasks = [asyncio.create_task(run_session(client, s, report, barrier)) for s in sessions]
-            if barrier is not None:
-                await reshape_after_turn(server.base_url, report, len(sessions), turn=1)
-            await asyncio.gather(*tasks)
+            async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0,
+                                          timeout=600) as client:
+                barrier = asyncio.Barrier(len(sessions)) if engine == "elastic-reshape" else None
+                tasks = [asyncio.create_task(run_session(client, s, report, barrier)) for s in sessions]
+                if barrier is not None:
+                    await reshape_after_turn(server.base_url, report, len(sessions), turn=1)
+                await asyncio.gather(*tasks)
 
         started = time.perf_counter()
         asyncio.run(main())
