@@ -104,6 +104,15 @@ class Scheduler:
         seq.num_registered_blocks = len(hit)
         return seq.num_computed_tokens
 
+    def _sibling_prefills(self, seq: Sequence) -> bool:
+        """A running sibling of `seq` (a sequence of the same request: n > 1) is still computing the prompt they
+        share, which holds at least one full block that `seq` would otherwise compute again."""
+        if self.kv.prefix_cache is None or seq.params.n < 2 or seq.num_prompt_tokens <= self.block_size:
+            return False
+        return any(s.request_id == seq.request_id and s.num_computed_tokens < seq.num_prompt_tokens
+                   and s.token_ids[:seq.num_prompt_tokens] == seq.token_ids[:seq.num_prompt_tokens]
+                   for s in self.running)
+
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list:
         """The hashes of the first `num_blocks` full blocks of `seq` (its chain, extended as far as needed)."""
         return extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, num_blocks,
@@ -150,6 +159,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             fresh = not seq.block_ids and not seq.num_computed_tokens
+            if fresh and self._sibling_prefills(seq):
+                break   # n > 1: it waits for the sibling's prompt blocks and then finds them cached (FCFS holds)
             cached = self._take_cached_prefix(seq) if fresh else 0
             num_new = min(seq.num_uncomputed_tokens, budget)
             needed = self.blocks_needed(seq, num_new)

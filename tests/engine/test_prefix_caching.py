@@ -76,6 +76,11 @@ def test_n2_preemption_and_concurrent_sharers_keep_the_greedy_tokens(tiny_checkp
         want, _ = _greedy(plain, prompts[:2], 24, n=2)
         got, cached = _greedy(model, prompts[:2], 24, n=2)   # both siblings from the cached prompt
         assert got == want and all(c >= 80 // BLOCK * BLOCK for c in cached)
+        fresh = mixed_prompts(model.tokenizer, 1, 60, 60, seed=9)[0]   # seen by neither: the siblings share it
+        before = model.engine.num_computed_prompt_tokens
+        got, cached = _greedy(model, [fresh], 8, n=2)
+        assert got == _greedy(plain, [fresh], 8, n=2)[0] and cached == [(len(fresh) - 1) // BLOCK * BLOCK]
+        assert model.engine.num_computed_prompt_tokens - before == 2 * len(fresh) - cached[0]
 
 
 def test_a_morph_between_turns_starts_a_new_cache_epoch(tiny_checkpoint):

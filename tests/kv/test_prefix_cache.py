@@ -183,3 +183,19 @@ def test_random_operations_never_hand_out_a_held_block():
         assert kv.num_used == in_use
         assert kv.num_cached_free == sum(1 for b in named.values() if not holders.get(b))
         assert kv.num_free + kv.num_used == kv.num_total
+
+
+def test_n2_siblings_share_the_prompt_blocks_the_first_one_computes():
+    sched = _sched(budget=8)                       # 8-token chunks: the 21-token prompt takes three steps
+    params = SamplingParams(max_tokens=8, n=2)
+    first, second = (Sequence(next(_ids), "req-n2", i, list(range(21)), 21, params, 0.0) for i in range(2))
+    sched.add(first), sched.add(second)
+    steps = 0
+    while second.num_output_tokens == 0:
+        out = sched.schedule()
+        if first.num_computed_tokens < 21:
+            assert second not in [s.seq for s in out]   # waits while its sibling computes their prompt
+        sched.update_from_output(out, ModelRunnerOutput([5] * len(out.sampling_seqs)))
+        steps += 1
+        assert steps < 20
+    assert second.num_cached_tokens == 20 and second.block_ids[:5] == first.block_ids[:5]
