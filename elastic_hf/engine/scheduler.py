@@ -105,12 +105,11 @@ class Scheduler:
         return seq.num_computed_tokens
 
     def _sibling_prefills(self, seq: Sequence) -> bool:
-        """A running sibling of `seq` (a sequence of the same request: n > 1) is still computing the prompt they
-        share, which holds at least one full block that `seq` would otherwise compute again."""
+        """A running sibling of `seq` (a sequence of the same request, n > 1: the same prompt by construction) is
+        still computing that prompt, which holds at least one full block `seq` would otherwise compute again."""
         if self.kv.prefix_cache is None or seq.params.n < 2 or seq.num_prompt_tokens <= self.block_size:
             return False
         return any(s.request_id == seq.request_id and s.num_computed_tokens < seq.num_prompt_tokens
-                   and s.token_ids[:seq.num_prompt_tokens] == seq.token_ids[:seq.num_prompt_tokens]
                    for s in self.running)
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list:

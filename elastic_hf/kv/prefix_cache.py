@@ -70,7 +70,6 @@ class PrefixCache:
 
     def __init__(self, algo: str = "sha256"):
         self.hash = hash_function(algo)
-        self.algo = algo
         self.epoch = 0
         self._block_of: dict[BlockHash, int] = {}
         self._hash_of: dict[int, BlockHash] = {}
@@ -83,10 +82,6 @@ class PrefixCache:
     def count_lookups(self, queried_tokens: int, hit_tokens: int) -> None:
         self.num_queried_tokens += queried_tokens
         self.num_hit_tokens += hit_tokens
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of

@@ -159,8 +159,9 @@ def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: Req
     must not fall back when an engine is replaced)."""
     new_block_ids = {(m.src_instance, m.src_blocks): list(m.dst_blocks) for m in plan.moves}
     retired_engines = [inst.engine for idx, inst in enumerate(instances) if idx not in plan.kept.values()]
-    retired_stats = [{**e.stats(), "prefix_cache_dropped_blocks": e.stats()["prefix_cache_blocks"]}
-                     for e in retired_engines]
+    retired_stats = [e.stats() for e in retired_engines]
+    for stats in retired_stats:
+        stats["prefix_cache_dropped_blocks"] = stats["prefix_cache_blocks"]
     retired = {key: sum(s[key] for s in retired_stats) for key in RETIRED_COUNTERS}
     out = []
     for idx, key in enumerate(new.instance_keys()):

@@ -1,7 +1,7 @@
 """The two executors of parallel/executor.py: the one worker of a single-worker model (in this process, a direct
-call) and worker processes (forked from a preloaded fork server, a pipe each, death detection and replacement). A method may name a sub-object
-of the Worker ("morph.sync"); private names are refused. Only small control data travels through the pipes;
-tensors between workers use torch.distributed."""
+call) and worker processes (forked from a preloaded fork server, a pipe each, death detection and replacement). A
+method may name a sub-object of the Worker ("morph.sync"); private names are refused. Only small control data
+travels through the pipes; tensors between workers use torch.distributed."""
 from __future__ import annotations
 
 import dataclasses
@@ -142,8 +142,8 @@ def worker_main(conn, config: EngineConfig, checkpoint_dir: str, worker_id: int,
 
 
 class MultiprocessExecutor(Executor):
-    """One process per worker (worker_context()), a pipe to each. `collective_rpc` sends to every worker first and then
-    collects, so the ranks of one instance run a step concurrently."""
+    """One process per worker (from worker_context()), a pipe to each. `collective_rpc` sends to every worker first
+    and then collects, so the ranks of one instance run a step concurrently."""
 
     def __init__(self, config: EngineConfig, checkpoint_dir: str, model_id: str, store):
         self.config = config
