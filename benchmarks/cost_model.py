@@ -93,9 +93,9 @@ def main() -> None:
     grid, rng, progress = GRIDS[args.grid], random.Random(args.seed), not args.no_progress
     held_out = [held_out_batch(KINDS[i % len(KINDS)], rng, grid) for i in range(args.held_out)]
     steps = [burst_step(rng, grid) for _ in range(args.steps)]
-    resolved = resolve_model(args.model)
+    resolved = resolve_model(args.model, dtype=args.dtype)
     everything = grid_micro_batches(grid, 1 << 30) + held_out + [[Chunk(*item) for item in items] for items in steps]
-    timer = MicroBatchTimer(resolved.checkpoint_dir, args.dtype,
+    timer = MicroBatchTimer(resolved.checkpoint_dir, resolved.dtype,
                             max_blocks=max(MicroBatchTimer.blocks_for(c) for c in everything))
     print(f"{machine_description()}; {resolved.model_id} {args.dtype}, grid {args.grid}, median of {args.repeats}")
     print("note: a 2-core VM is noisy; other processes on it slow some forwards (the medians absorb short bursts)")

@@ -15,8 +15,9 @@ from elastic_hf.units import parse_memory_budget
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
+DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "half": "float16"}   # vLLM's spellings too
+GENERATION_CONFIG_MODES = ("auto", "vllm")   # or a directory holding a generation_config.json
 TP_POLICIES = ("static", "elastic")
 ROUTERS = ("elastic", "least_load", "round_robin")
 PACKED_WEIGHTS = ("auto", "on", "off")
@@ -117,9 +118,22 @@ PREFIX_CACHING_HASH_ALGOS = ("sha256", "builtin")   # kv/prefix_cache.py
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None             # checkpoint dir or .gguf file; None: the embedded SmolLM2-135M-Instruct
-    # float32 | bfloat16 | float16 (aliases fp32, bf16, fp16, torch dtypes) | auto (resolved here: see auto_dtype)
-    dtype: str = "float32"
+    # checkpoint dir, .gguf file or Hub repo id ("org/name", model/hub.py); None: the embedded SmolLM2-135M-Instruct
+    model: str | None = None
+    revision: str | None = None          # Hub branch, tag or commit of `model` (default: main)
+    tokenizer: str | None = None         # tokenizer dir or Hub repo id; None: the model's own
+    download_dir: str | None = None      # Hub cache directory; None: huggingface_hub's (HF_HOME / HF_HUB_CACHE)
+    hf_token: str | bool | None = None   # Hub token; None: huggingface_hub's (HF_TOKEN or `hf auth login`)
+    # Run Python code shipped in the model repo (its own config/modeling/tokenizer classes, `auto_map`). Off:
+    # only transformers' own classes load; a repo that needs its code is refused with transformers' message.
+    trust_remote_code: bool = False
+    # Default sampling values of requests that set none (vLLM's --generation-config): auto: the model's
+    # generation_config.json (temperature, top_p, top_k, repetition_penalty, max_new_tokens); vllm: the engine's
+    # own; or a directory holding a generation_config.json
+    generation_config: str = "auto"
+    # float32 | bfloat16 | float16 (aliases fp32, float, bf16, fp16, half, torch dtypes) | auto: the checkpoint's
+    # dtype (model/loader.py says what auto means for each source; resolved when the model is resolved)
+    dtype: str = "auto"
     device: str = "cpu"                  # cpu | cuda (worker i of a deployment uses cuda:i)
     # CUDA: decode-only steps replay captured CUDA graphs (model/cuda_graphs.py) unless this is set (vLLM's name).
     # Graphs run for single-worker deployments; worker processes step eagerly.
@@ -222,6 +236,9 @@ class EngineConfig:
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {PREFIX_CACHING_HASH_ALGOS}, got "
                              f"{self.prefix_caching_hash_algo!r}")
+        if self.generation_config not in GENERATION_CONFIG_MODES and not Path(self.generation_config).is_dir():
+            raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_MODES} or a directory holding "
+                             f"generation_config.json, got {self.generation_config!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.chat_template is not None:
@@ -275,21 +292,19 @@ class EngineConfig:
 
 
 def _canonical_dtype(dtype, device: str) -> str:
-    if dtype is None:
-        return "float32"
+    """A dtype's canonical name, or "auto" (resolved with the model: model/loader.resolve_model)."""
+    if dtype is None or dtype == "auto":
+        return "auto"
     if not isinstance(dtype, str):  # a torch.dtype, without importing torch here
         dtype = str(dtype).removeprefix("torch.")
-    if dtype == "auto":
-        chosen, reason = auto_dtype(device)
-        log.info("dtype auto -> %s (%s)", chosen, reason)
-        return chosen
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES) + ['auto']}")
     return DTYPES[dtype]
 
 
 def auto_dtype(device: str, cpu_flags: set[str] | None = None) -> tuple[str, str]:
-    """What dtype="auto" means, and why: bfloat16 on CUDA GPUs and on CPUs with native bf16 arithmetic
+    """What dtype="auto" means where the weights have no float dtype of their own (a GGUF file), and why: bfloat16
+    on CUDA GPUs and on CPUs with native bf16 arithmetic
     (AVX512-BF16 or AMX-BF16), float32 elsewhere, where bf16 matmuls are emulated and slower than fp32 ones.
     cpu_flags: the CPU's feature flags (default: read from /proc/cpuinfo)."""
     if device.split(":")[0] == "cuda":
@@ -325,3 +340,59 @@ def load_chat_template(value: str) -> str:
                              f"{getattr(exc, 'strerror', None) or exc}") from None
     # latin-1 + backslashreplace keeps every non-ASCII character intact through unicode_escape
     return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
+# transformers' from_pretrained keywords elastic-hf takes, with what they become; what it does on purpose instead
+HF_STYLE_KEYWORDS = ("torch_dtype", "device_map", "token", "low_cpu_mem_usage", "use_safetensors")
+_HF_REFUSED = {
+    "attn_implementation": "elastic-hf runs its own paged attention, registered with transformers' "
+                           "AttentionInterface; the attention implementation is not selectable",
+    "quantization_config": "pre-quantized checkpoints (AWQ) are read from their own config.json, and quantizing at "
+                           "run time is precision morphing (morph=...)",
+}
+
+
+def hf_style_options(options: dict) -> dict:
+    """ElasticModel.from_pretrained's keywords as EngineConfig fields: transformers' spellings mapped (torch_dtype
+    -> dtype, device_map -> device, token -> hf_token), those that ask for what elastic-hf does anyway
+    (low_cpu_mem_usage, use_safetensors) accepted when true, the rest refused with what is supported."""
+    options = dict(options)
+    if "torch_dtype" in options:
+        if "dtype" in options:
+            raise ValueError("give dtype or its alias torch_dtype, not both")
+        options["dtype"] = options.pop("torch_dtype")
+    if "device_map" in options:
+        if "device" in options:
+            raise ValueError("give device or device_map, not both")
+        options["device"] = _device_of_map(options.pop("device_map"))
+    if "token" in options:
+        options["hf_token"] = options.pop("token")
+    for name in ("low_cpu_mem_usage", "use_safetensors"):
+        if name in options and not options.pop(name):
+            raise ValueError(f"{name}=False is not supported: elastic-hf always loads safetensors weights "
+                             "straight into its weight arena")
+    for name, why in _HF_REFUSED.items():
+        if name in options:
+            raise ValueError(f"{name} is not supported: {why}")
+    unknown = sorted(set(options) - set(EngineConfig.field_names()))
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(unknown)}; from_pretrained takes the EngineConfig fields "
+                         f"({', '.join(EngineConfig.field_names())}) and transformers' "
+                         f"{', '.join(HF_STYLE_KEYWORDS)}")
+    return options
+
+
+def _device_of_map(device_map) -> str:
+    """transformers' device_map as one device: the whole model on it (a per-module map is model parallelism,
+    which is workers= / topology= here)."""
+    if isinstance(device_map, str) and device_map == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device_map, str) and (device_map in ("cpu", "cuda") or
+                                        (device_map.startswith("cuda:") and device_map[5:].isdigit())):
+        return device_map
+    if isinstance(device_map, int) and not isinstance(device_map, bool):
+        return f"cuda:{device_map}"
+    raise ValueError(f"device_map={device_map!r} is not supported: give 'auto', 'cpu', 'cuda' or 'cuda:N' (the "
+                     "whole model on one device; spread a model over devices with workers= and topology=)")

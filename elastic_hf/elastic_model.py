@@ -11,7 +11,8 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 
-from elastic_hf.config import EngineConfig, MorphConfig
+from elastic_hf.config import EngineConfig, MorphConfig, hf_style_options
+from elastic_hf.engine.sampling_params import sampling_params_from_generation_config
 from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.engine.sampling_params import RequestOutputKind, SamplingParams
 from elastic_hf.parallel.deployment import Deployment
@@ -83,23 +84,27 @@ class ElasticModel:
     def from_pretrained(cls, name_or_path: str | os.PathLike | None = None, *, workers: int = 1,
                         tp: int | None = None, morph: str = "off", profile: str | None = None,
                         morph_options: dict | None = None, **options) -> "ElasticModel":
-        """Load a local HF checkpoint dir, a .gguf file, or (None) the embedded SmolLM2-135M-Instruct, on `workers`
-        workers (1: in this process; more: worker processes) as instances of TP degree `tp` (default 1; or give
-        `topology=(2, 1, 1)`).
+        """Load a local HF checkpoint dir, a .gguf file, a Hub repo id ("org/name": from the Hugging Face cache,
+        downloaded when missing and the Hub is reachable) or (None) the embedded SmolLM2-135M-Instruct, on
+        `workers` workers (1: in this process; more: worker processes) as instances of TP degree `tp` (default 1;
+        or give `topology=(2, 1, 1)`).
 
-        options: the fields of EngineConfig (elastic_hf/config.py): dtype, device, memory_budget (per worker:
+        options: the fields of EngineConfig (elastic_hf/config.py): dtype ("auto": the checkpoint's), device,
+        revision, tokenizer, download_dir, trust_remote_code, generation_config, memory_budget (per worker:
         bytes, "2GiB" or a fraction of the device), kv_cache_memory, block_size, max_num_seqs,
         max_num_batched_tokens, max_model_len, page_size, packed_weights ("auto", "on", "off"), tp_policy, router,
         overload ("off", "morph", "tp-merge", "drop", "auto", or a dict of OverloadConfig fields), cost_profile, ...
+        and transformers' spellings: torch_dtype, device_map ("auto", "cpu", "cuda", "cuda:N"), token.
         morph: "off", "manual" (only model.morph.to_precision), or a controller mode "accuracy" | "default" |
-        "performance"; profile: LIS profile JSON for the swap order; morph_options: the other MorphConfig fields (precisions, use_cache,
-        calib_path, controller={ControllerConfig overrides}, ...)."""
+        "performance"; profile: LIS profile JSON for the swap order; morph_options: the other MorphConfig fields
+        (precisions, use_cache, calib_path, controller={ControllerConfig overrides}, ...)."""
         if tp is not None:
             if "topology" in options:
                 raise ValueError("give either tp or topology, not both")
             if tp < 1 or workers % tp:
                 raise ValueError(f"tp must divide workers: tp={tp} does not divide workers={workers}")
             options["topology"] = (tp,) * (workers // tp)
+        options = hf_style_options(options)
         model = None if name_or_path is None else str(name_or_path)
         config = EngineConfig(model=model, num_workers=workers,
                               morph=MorphConfig(mode=morph, profile=profile, **(morph_options or {})), **options)
@@ -109,13 +114,22 @@ class ElasticModel:
     def from_config(cls, config: EngineConfig) -> "ElasticModel":
         from transformers import AutoConfig, AutoTokenizer
 
+        from elastic_hf.model.hub import hub_snapshot, looks_like_repo_id
         from elastic_hf.model.loader import resolve_model, set_chat_template
 
-        resolved = resolve_model(config.model)
-        tokenizer = AutoTokenizer.from_pretrained(resolved.checkpoint_dir)
+        resolved = resolve_model(config.model, dtype=config.dtype, device=config.device, revision=config.revision,
+                                 download_dir=config.download_dir, token=config.hf_token,
+                                 trust_remote_code=config.trust_remote_code)
+        config = dataclasses.replace(config, dtype=resolved.dtype)   # "auto" resolved: what every worker loads
+        tokenizer_source = config.tokenizer or resolved.checkpoint_dir
+        named = config.tokenizer
+        if named is not None and not os.path.isdir(named) and looks_like_repo_id(named):
+            tokenizer_source = hub_snapshot(config.tokenizer, cache_dir=config.download_dir, token=config.hf_token,
+                                            trust_remote_code=config.trust_remote_code, tokenizer_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=config.trust_remote_code)
         if config.chat_template is not None:   # before the workers load: a bad template fails fast
             set_chat_template(tokenizer, config.chat_template)
-        hf_config = AutoConfig.from_pretrained(resolved.checkpoint_dir)
+        hf_config = AutoConfig.from_pretrained(resolved.checkpoint_dir, trust_remote_code=config.trust_remote_code)
         deployment = Deployment(config, checkpoint_dir=resolved.checkpoint_dir, model_id=resolved.model_id,
                                 tokenizer=tokenizer, hf_config=hf_config)
         model = cls(deployment)
@@ -169,13 +183,22 @@ class ElasticModel:
         return getattr(self.deployment.pool, "worker", None)
 
     # ------------------------------------------------------------------ generation
-    def _params(self, sampling_params: SamplingParams | None, sampling: dict) -> SamplingParams:
+    def _params(self, sampling_params, sampling: dict) -> SamplingParams:
+        """sampling_params: a SamplingParams, a transformers GenerationConfig or None (then the keywords, HF's
+        max_new_tokens included, over the model's offline defaults: greedy, as HF generate, unless its
+        generation_config.json says do_sample)."""
+        if "max_new_tokens" in sampling:
+            if "max_tokens" in sampling:
+                raise ValueError("give max_tokens or its alias max_new_tokens, not both")
+            sampling["max_tokens"] = sampling.pop("max_new_tokens")
         if sampling_params is not None:
             if sampling:
                 raise ValueError(f"pass either sampling_params or keyword options, not both: {sorted(sampling)}")
+            if not isinstance(sampling_params, SamplingParams):
+                return sampling_params_from_generation_config(sampling_params)
             return sampling_params
         # Offline calls default to greedy like HF generate; the server uses OpenAI's defaults.
-        return SamplingParams(**{"temperature": 0.0, **sampling})
+        return SamplingParams(**{**self.deployment.generation_defaults.offline(), **sampling})
 
     def _submit(self, prompt: str | list[int], params: SamplingParams) -> str:
         return self.deployment.add_request(f"offline-{next(self._request_ids)}", prompt, params)
@@ -196,7 +219,9 @@ class ElasticModel:
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | None = None, **sampling) -> RequestOutput | list[RequestOutput]:
         """Complete one prompt (-> RequestOutput) or a list (-> list). Prompts are text or token ids.
-        Sampling keywords: see SamplingParams (default here: greedy)."""
+        sampling_params: a SamplingParams or a transformers GenerationConfig; or sampling keywords: see
+        SamplingParams, max_new_tokens accepted for max_tokens (default here: greedy, see _params). One prompt gives
+        one output, not vLLM's list of one: HF generate's habit, and what every caller of a single prompt wants."""
         params = self._params(sampling_params, sampling)
         if params.output_kind is RequestOutputKind.CUMULATIVE:
             # only the final output is returned: the engine need not copy the output so far on every step

@@ -1,4 +1,5 @@
-"""The one factory of tiny random-weight models for the tests (Llama, Qwen2, Mistral): in memory
+"""The one factory of tiny random-weight models for the tests (every family of patches/: Llama, Qwen2, Qwen3,
+Mistral, Gemma 2, Gemma 3, Phi-3, OLMo 2, Granite, Qwen3-MoE, Mixtral): in memory
 (`tiny_hf_model`) or saved as a checkpoint with the default model's real tokenizer (`build_tiny_checkpoint`).
 
 The defaults use a larger init scale than HF's so greedy choices have clear margins and exactness tests compare
@@ -15,26 +16,49 @@ TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, n
                    tie_word_embeddings=False, initializer_range=0.2)
 
 
+# What each family adds to TINY_SHAPES so its own mechanisms run: small sliding windows (24 tokens) that long
+# prompts exceed, Gemma's alternating window/global layers and soft-caps, Phi-3's partial rotary, Granite's
+# multipliers, a few experts for the MoE families.
+_WINDOWED = ["sliding_attention", "full_attention", "sliding_attention"]
+ARCH_EXTRAS = {
+    "llama": {}, "qwen2": {}, "qwen3": {"head_dim": 16}, "olmo2": {},
+    "mistral": {"sliding_window": 24},
+    "gemma2": {"head_dim": 16, "sliding_window": 24, "layer_types": _WINDOWED, "query_pre_attn_scalar": 16,
+               "attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0,
+               "hidden_activation": "gelu_pytorch_tanh"},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 24, "layer_types": _WINDOWED, "query_pre_attn_scalar": 16,
+                    "final_logit_softcapping": 15.0},
+    "phi3": {"partial_rotary_factor": 0.5, "sliding_window": None},
+    "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+                "logits_scaling": 2.0},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+TINY_ARCHS = tuple(ARCH_EXTRAS)
+
+
 def tiny_config(arch: str = "llama", **overrides):
     """A config of `arch` with TINY_SHAPES, any field overridden (num_hidden_layers=5, vocab_size=512, ...)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoConfig
 
-    common = dict(TINY_SHAPES, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    if arch == "mistral":
-        common["sliding_window"] = 24  # small window: exercised by long prompts
+    if arch not in ARCH_EXTRAS:
+        raise ValueError(f"arch must be one of {sorted(ARCH_EXTRAS)}, got {arch!r}")
+    common = dict(TINY_SHAPES, bos_token_id=1, eos_token_id=2, pad_token_id=2, **ARCH_EXTRAS[arch])
     common.update(overrides)
-    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}  # qwen2: q/k/v biases
-    if arch not in configs:
-        raise ValueError(f"arch must be one of {sorted(configs)}, got {arch!r}")
-    return configs[arch](**common)
+    if "layer_types" in common:   # one type a layer, whatever the layer count
+        pattern = ARCH_EXTRAS[arch].get("layer_types", common["layer_types"])
+        common["layer_types"] = [pattern[i % len(pattern)] for i in range(common["num_hidden_layers"])]
+    return AutoConfig.for_model(arch, **common)
 
 
 def tiny_hf_model(arch: str = "llama", seed: int = 0, bias_std: float = 0.2, **overrides):
-    """A random-weight HF causal LM (fp32, eval, no grad, SDPA attention)."""
+    """A random-weight HF causal LM (fp32, eval, no grad; SDPA attention, eager where the family soft-caps its
+    attention scores, which SDPA cannot)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(arch, **overrides)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # biases default to zero; make them matter
@@ -75,6 +99,6 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0, tokenizer: st
     if tokenizer == "minimal":
         minimal_tokenizer(model.config.vocab_size).save_pretrained(tmp)
     else:
-        AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(resolve_model(None, dtype="float32").checkpoint_dir).save_pretrained(tmp)
     tmp.rename(out_dir)
     return out_dir

@@ -73,6 +73,13 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def default_sampling(self) -> dict:
+        """Sampling values of requests that set none, from the model's generation_config.json
+        (model/generation_defaults.py; empty under --generation-config vllm)."""
+        defaults = getattr(self.engine, "generation_defaults", None)
+        return dict(defaults.sampling) if defaults is not None else {}
+
+    @property
     def metrics(self):
         return self.engine.metrics
 

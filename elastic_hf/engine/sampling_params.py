@@ -79,3 +79,33 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# transformers GenerationConfig field -> SamplingParams field
+_GENERATION_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+                      "top_k": "top_k", "repetition_penalty": "repetition_penalty", "num_return_sequences": "n",
+                      "stop_strings": "stop"}
+# fields a GenerationConfig carries that say nothing about sampling (or that the engine reads elsewhere: EOS)
+_GENERATION_IGNORED = {"do_sample", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version",
+                       "_from_model_config", "use_cache", "output_attentions", "output_hidden_states",
+                       "return_dict_in_generate", "output_scores", "output_logits"}
+
+
+def sampling_params_from_generation_config(generation_config) -> SamplingParams:
+    """A transformers GenerationConfig as SamplingParams, as HF generate reads it: greedy unless do_sample, the
+    fields set on it (those differing from GenerationConfig's defaults) mapped; a field the engine does not
+    implement (beam search, min_length, ...) is a ValueError naming it rather than silently ignored."""
+    if not hasattr(generation_config, "to_diff_dict"):
+        raise TypeError(f"sampling_params must be a SamplingParams or a transformers GenerationConfig, got "
+                        f"{type(generation_config).__name__}")
+    diff = generation_config.to_diff_dict()
+    unsupported = sorted(k for k, v in diff.items()
+                         if k not in _GENERATION_FIELDS and k not in _GENERATION_IGNORED and v is not None)
+    if unsupported:
+        raise ValueError(f"GenerationConfig fields {unsupported} are not supported; supported: "
+                         f"{sorted(_GENERATION_FIELDS)} and do_sample")
+    values = {ours: diff[theirs] for theirs, ours in _GENERATION_FIELDS.items() if diff.get(theirs) is not None}
+    if not diff.get("do_sample", False):
+        values = {k: v for k, v in values.items() if k in ("max_tokens", "n", "stop")}
+        values["temperature"] = 0.0
+    return SamplingParams(**values)

@@ -12,16 +12,47 @@ A backend builds the step's metadata (`build_metadata`: kv/paged_batch.py) and r
 (`forward`, called by the function registered with transformers' AttentionInterface: kv/paged_attention.py)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from elastic_hf.kv.page_pool import KVPagePool
-from elastic_hf.kv.paged_batch import PagedBatch, PrefillSlice, build_paged_batch
+from elastic_hf.kv.paged_batch import NO_BATCHED_DECODES, PagedBatch, PrefillSlice, build_paged_batch, is_batched_decode
 from elastic_hf.native.causal_prefill import causal_prefill_attention_batch, native_prefill_available
 from elastic_hf.native.kv_write import native_kv_write_available, write_kv_rows
 from elastic_hf.native.paged_decode import native_decode_available, paged_decode_attention
 from elastic_hf.native.triton_paged import (paged_decode_attention_triton, paged_kv_write,
                                             triton_paged_available)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How a model's layers attend, read once from the model (patches/base.py: layer_windows, attention_softcap):
+    windows[i] is layer i's sliding window (None: full attention); softcap: the tanh cap of the scores or None."""
+    windows: tuple[int | None, ...] = ()
+    softcap: float | None = None
+
+    @property
+    def distinct_windows(self) -> tuple[int | None, ...]:
+        return tuple(dict.fromkeys(self.windows)) or (None,)
+
+    @property
+    def decode_window(self) -> int | None:
+        """The window that decides who joins the batched decode call, the same for every layer: the smallest (a
+        decode past it attends alone in every layer); none at all under soft-capping (its exact path)."""
+        if self.softcap is not None:
+            return NO_BATCHED_DECODES
+        windows = [w for w in self.windows if w is not None]
+        return min(windows) if windows else None
+
+    def is_batched_decode(self, num_computed: int, num_new_tokens: int) -> bool:
+        return is_batched_decode(num_computed, num_new_tokens, self.decode_window)
+
+    @property
+    def is_uniform(self) -> bool:
+        """One batch serves every layer and decodes batch: what a decode CUDA graph replays."""
+        return len(self.distinct_windows) == 1 and self.softcap is None
 
 
 class AttentionBackend:
@@ -37,14 +68,25 @@ class AttentionBackend:
         return f"{type(self).__name__}({self.name}, {self.device})"
 
     def build_metadata(self, pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
-                       sliding_window: int | None = None) -> PagedBatch:
-        """The step's PagedBatch: seqs are (num_computed_before, num_new_tokens, block_ids), in packed order."""
-        return build_paged_batch(pool, seqs, sliding_window, backend=self)
+                       attention: LayerAttention | None = None) -> PagedBatch:
+        """The step's PagedBatch: seqs are (num_computed_before, num_new_tokens, block_ids), in packed order (the
+        order `attention.is_batched_decode` gives). attention: how the model's layers attend (None: plain causal)."""
+        attention = attention or LayerAttention()
+        decode_window = attention.decode_window
+        batches = {w: build_paged_batch(pool, seqs, w, backend=self, decode_window=decode_window)
+                   for w in attention.distinct_windows}
+        first = batches[attention.windows[0]] if attention.windows else next(iter(batches.values()))
+        first.softcap = attention.softcap
+        if len(batches) > 1:
+            first.by_layer = [batches[w] for w in attention.windows]
+        return first
 
     def forward(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scaling: float | None, batch: PagedBatch) -> torch.Tensor:
         """query: [1, num_heads, T, head_dim]; key/value: [1, num_kv_heads, T, head_dim] for T packed new tokens.
         Returns [1, T, num_heads, head_dim]."""
+        softcap = batch.softcap
+        batch = batch.for_layer(module.layer_idx)
         pool = batch.pool
         layout = pool.layout
         local_layer = module.layer_idx - layout.first_layer    # a pipeline stage holds only its own layers
@@ -53,6 +95,10 @@ class AttentionBackend:
         self.write_kv(pool.rows, batch, layer_offset, v_offset, key, value)
         out = query.new_empty(batch.num_tokens, query.shape[1], query.shape[3])   # [T, num_heads, head_dim]
         scale = scaling if scaling is not None else query.shape[3] ** -0.5
+        if softcap is not None:   # every sequence is a prefill slice here (LayerAttention.decode_window)
+            for p in batch.prefills:
+                _softcapped_prefill(p, query, key, value, pool.rows, layer_offset, v_offset, out, scale, softcap)
+            return out.unsqueeze(0)
         done = self.batched_prefills(batch, query, key, value, pool.rows, layer_offset, v_offset, out, scale)
         for group in batch.prefill_groups:   # short fresh prefills, one masked call a group
             q, k, v = (t.index_select(2, group.rows) for t in (query, key, value))   # [1, heads, group, hd]
@@ -189,6 +235,32 @@ def _native_prefills(prefills: list[PrefillSlice], query: torch.Tensor, key: tor
     causal_prefill_attention_batch(queries, keys, values, outs, scale)
     if widen:   # rows of a windowed prefill in between are written after this, by SDPA
         out[first:end] = out_all
+
+
+def _softcapped_prefill(p: PrefillSlice, query, key, value, rows, layer_offset: int, v_offset: int, out,
+                        scale: float, softcap: float) -> None:
+    """Gemma 2's attention as HF's eager path computes it: scores * scale, softcap * tanh(scores / softcap), the
+    causal (and window) mask, softmax in fp32. query: [1, heads, T, hd]; writes out[p.q_start:+q_len]."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[3]
+    q = query[0, :, p.q_start:p.q_start + p.q_len]                        # [heads, q_len, hd]
+    if p.k_rows is None:
+        k = key[0, :, p.q_start:p.q_start + p.q_len]                      # [kv_heads, ctx, hd]
+        v = value[0, :, p.q_start:p.q_start + p.q_len]
+    else:
+        k_rows = p.k_rows + layer_offset
+        k = rows.index_select(0, k_rows).view(num_kv_heads, p.ctx_len, head_dim).to(q.dtype)
+        v = rows.index_select(0, k_rows + v_offset).view(num_kv_heads, p.ctx_len, head_dim).to(q.dtype)
+    group = q.shape[0] // num_kv_heads
+    k = k.repeat_interleave(group, dim=0)                                  # [heads, ctx, hd]
+    v = v.repeat_interleave(group, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale                    # [heads, q_len, ctx]
+    scores = torch.tanh(scores / softcap) * softcap
+    mask = p.mask
+    if mask is None:
+        mask = torch.ones(p.q_len, p.ctx_len, dtype=torch.bool, device=q.device).tril(p.ctx_len - p.q_len)
+    scores = scores.masked_fill(~mask.to(q.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    out[p.q_start:p.q_start + p.q_len] = torch.matmul(probs, v).transpose(0, 1)   # [q_len, heads, hd]
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_bias: torch.Tensor | None,

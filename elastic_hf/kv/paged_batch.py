@@ -83,6 +83,14 @@ class PagedBatch:
     # the instance's attention backend (kv/attention_backends.py), chosen once at build: it runs every layer
     backend: "AttentionBackend"
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
+    # A model whose layers attend differently (Gemma's sliding-window and global layers): the batch of every
+    # layer, by layer index (this batch is one of them), all over the same packed order. None: one for all.
+    by_layer: list["PagedBatch"] | None = None
+    # Gemma 2's tanh soft-cap of the attention scores (None: none): every layer attends on the exact torch path
+    softcap: float | None = None
+
+    def for_layer(self, layer_idx: int) -> "PagedBatch":
+        return self if self.by_layer is None else self.by_layer[layer_idx]
 
 
 def prefill_groups(prefills: list[PrefillSlice], device: torch.device,
@@ -134,19 +142,30 @@ def _decode_group(pool: KVPagePool, first_row: int, tables: list[list[int]], len
     return DecodeGroup(first_row, chunk_ids.flatten(), num_seqs, ctx_len, torch.tensor(lens), min(lens) == ctx_len)
 
 
+NO_BATCHED_DECODES = 0   # a decode window of 0 tokens: every decode attends alone, like a prefill (soft-capping)
+
+
 def is_batched_decode(num_computed: int, num_new_tokens: int, sliding_window: int | None) -> bool:
     """True for a sequence that joins the batched decode call: one new token and no sliding window cutting its
     context (a windowed sequence needs its own mask and attends like a prefill). Callers pack these sequences
-    first so they form one contiguous slice of the batch."""
+    first so they form one contiguous slice of the batch. A model with several windows classifies by its smallest
+    one (so the packing order holds for every layer)."""
     windowed = sliding_window is not None and num_computed + num_new_tokens > sliding_window
     return num_new_tokens == 1 and not windowed
 
 
+_SAME = object()
+
+
 def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
-                      sliding_window: int | None = None, backend: AttentionBackend | None = None) -> PagedBatch:
+                      sliding_window: int | None = None, backend: AttentionBackend | None = None,
+                      decode_window=_SAME) -> PagedBatch:
     """seqs: (num_computed_before, num_new_tokens, block_ids) per sequence, in packed order. Index math runs on
     the CPU; the results move to the pool's device once. backend: the instance's (AttentionBackend.build_metadata
-    passes itself); None: the one choose_attention_backend picks for the pool (tests and tools)."""
+    passes itself); None: the one choose_attention_backend picks for the pool (tests and tools). decode_window: the
+    window that decides which sequences join the batched decode call (default: `sliding_window`; the packing's)."""
+    if decode_window is _SAME:
+        decode_window = sliding_window
     if backend is None:
         from elastic_hf.kv.attention_backends import choose_attention_backend
 
@@ -166,7 +185,7 @@ def build_paged_batch(pool: KVPagePool, seqs: list[tuple[int, int, list[int]]],
         new_positions.extend(positions)
         new_blocks.extend(block_ids[p // block_size] for p in positions)
         windowed = sliding_window is not None and ctx_len > sliding_window
-        if is_batched_decode(num_computed, num_new, sliding_window):
+        if is_batched_decode(num_computed, num_new, decode_window):
             decode_rows.append(row)
             decode_tables.append(block_ids)
             decode_lens.append(ctx_len)

@@ -109,6 +109,8 @@ def search_awq_scales(layer: nn.Module, adapter, hf_config, hidden_states: torch
                       scheme: QuantScheme, config: AwqConfig | None = None) -> tuple[AwqScales, torch.Tensor]:
     """hidden_states [batch, seq, hidden]: the layer's full-precision input on calibration text. Returns the
     scales and the full-precision layer output on hidden_states."""
+    if adapter.awq_refusal:
+        raise ValueError(f"AWQ cannot calibrate {adapter.model_types[0]} layers: {adapter.awq_refusal}")
     config = config or AwqConfig()
     num_heads, num_kv_heads, head_dim = adapter.head_counts(hf_config)
     group = num_heads // num_kv_heads
@@ -146,6 +148,8 @@ def search_awq_scales(layer: nn.Module, adapter, hf_config, hidden_states: torch
 def fold_awq_scales(layer: nn.Module, adapter, hf_config, scales: AwqScales) -> None:
     """Apply the scales to a (copied) full-precision layer in place; its function is unchanged up to fp32
     rounding. Quantize the linears afterwards."""
+    if adapter.awq_refusal:
+        raise ValueError(f"AWQ scales cannot fold into {adapter.model_types[0]} layers: {adapter.awq_refusal}")
     num_heads, num_kv_heads, head_dim = adapter.head_counts(hf_config)
     group = num_heads // num_kv_heads
 
@@ -169,7 +173,7 @@ def fold_awq_scales(layer: nn.Module, adapter, hf_config, scales: AwqScales) -> 
     scale_outputs_down(adapter.v_proj, scales.vo)
     expanded = scales.vo.reshape(num_kv_heads, 1, head_dim).expand(num_kv_heads, group, head_dim).reshape(-1)
     scale_inputs(adapter.o_proj, expanded)
-    scale_norm_down(adapter.post_attention_norm, scales.gate_up)
+    scale_norm_down(adapter.mlp_norm, scales.gate_up)
     for name in (adapter.gate_proj, adapter.up_proj):
         scale_inputs(name, scales.gate_up)
     scale_outputs_down(adapter.up_proj, scales.down)

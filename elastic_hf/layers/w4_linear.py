@@ -106,6 +106,18 @@ class W4Linear(nn.Module):
         return layer
 
     @classmethod
+    def from_quantized(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                       bias: torch.Tensor | None = None, device=None) -> "W4Linear":
+        """A layer holding given 4-bit values (q int32 [out, in] in [0, 15], scales and zeros [out, in/g]): a
+        pre-quantized checkpoint's, taken as they are (layers/awq_format.py)."""
+        out_features, in_features = q.shape
+        layer = cls(in_features, out_features, group_size, bias is not None, device=device or q.device)
+        layer._set_quantized(q, scales, zeros)
+        if bias is not None:
+            layer.bias.copy_(bias.float())
+        return layer
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> "W4Linear":
         return cls.from_weight(linear.weight.detach(), group_size,
                                None if linear.bias is None else linear.bias.detach())

@@ -19,7 +19,7 @@ from elastic_hf.config import EngineConfig
 from elastic_hf.kv.layout import KVLayout
 from elastic_hf.kv.migration_plan import head_range
 from elastic_hf.kv.page_pool import KVPagePool
-from elastic_hf.kv.attention_backends import choose_attention_backend
+from elastic_hf.kv.attention_backends import LayerAttention, choose_attention_backend
 from elastic_hf.kv.paged_attention import register_paged_attention
 from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.layers.native_norm import use_native_norms
@@ -29,6 +29,7 @@ from elastic_hf.layers.swiglu_mlp import use_swiglu_mlps
 from elastic_hf.memory import MemoryBudget, create_arena, default_page_size, device_total_bytes
 from elastic_hf.memory.host_malloc import tune_host_malloc
 from elastic_hf.native.argmax import native_argmax_available
+from elastic_hf.model.awq_checkpoint import awq_quantization, load_awq_model
 from elastic_hf.model.loader import parse_dtype
 from elastic_hf.model.cuda_graph_runner import CudaGraphRunner
 from elastic_hf.model.runner import ModelRunner
@@ -51,6 +52,7 @@ class LoadedModel:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    layer_attention: LayerAttention = LayerAttention()
 
     @property
     def hf_config(self):
@@ -69,18 +71,30 @@ def worker_device(config: EngineConfig, worker_id: int) -> torch.device:
     return device
 
 
-def load_model(checkpoint_dir: str | Path, dtype: torch.dtype | str, device: torch.device) -> LoadedModel:
+def load_model(checkpoint_dir: str | Path, dtype: torch.dtype | str, device: torch.device,
+               trust_remote_code: bool = False) -> LoadedModel:
     """The HF model of a checkpoint in eval mode, on `device`, running our paged attention."""
     from transformers import AutoModelForCausalLM
 
     attn = register_paged_attention()
-    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=parse_dtype(dtype),
-                                                    attn_implementation=attn).eval().requires_grad_(False)
+    awq = awq_quantization(checkpoint_dir)
+    if awq is not None:   # pre-quantized: W4 layers straight from the file
+        hf_model = load_awq_model(checkpoint_dir, parse_dtype(dtype), attn, trust_remote_code)
+    else:
+        hf_model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=parse_dtype(dtype),
+                                                        attn_implementation=attn, trust_remote_code=trust_remote_code
+                                                        ).eval().requires_grad_(False)
     hf_model.to(device)
-    adapter = get_adapter(hf_model.config)
+    adapter = get_adapter(hf_model.config).located_in(hf_model)
+    if awq is not None:
+        adapter = adapter.prequantized("AWQ")
+    layers = adapter.decoder_layers(hf_model)
+    adapter = adapter.checked_against(layers[0])
     num_heads, num_kv_heads, head_dim = adapter.head_counts(hf_model.config)
-    return LoadedModel(hf_model, adapter, adapter.decoder_layers(hf_model), parse_dtype(dtype), device, num_heads,
-                       num_kv_heads, head_dim)
+    layer_attention = LayerAttention(tuple(adapter.layer_windows(hf_model.config, layers)),
+                                     adapter.attention_softcap(hf_model.config))
+    return LoadedModel(hf_model, adapter, layers, parse_dtype(dtype), device, num_heads, num_kv_heads, head_dim,
+                       layer_attention)
 
 
 @dataclass(slots=True, eq=False)
@@ -163,7 +177,8 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     # The elementwise work around the GEMMs in single native passes: every RMSNorm, the MLPs whose gate/up were
     # just fused (silu(gate) * up straight from their product), and the rotary embedding of q and k.
     adapter = loaded.adapter
-    num_norms = use_native_norms(adapter.norms(loaded.hf_model, loaded.layers), adapter.rms_norm_class)
+    num_norms = 0 if adapter.rms_norm_class is None else use_native_norms(
+        adapter.norms(loaded.hf_model, loaded.layers), adapter.rms_norm_class)
     num_mlps = use_swiglu_mlps(adapter.mlps(loaded.layers), getattr(loaded.hf_config, "hidden_act", None))
     rotary = adapter.rotary_function is not None and use_native_rotary(adapter.modeling_module,
                                                                        adapter.rotary_function)
@@ -177,9 +192,13 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
         total = parse_memory_budget(config.memory_budget, device_total_bytes(device))
     attention = choose_attention_backend(device, loaded.dtype, loaded.head_dim, config.block_size)
     log.info("attention backend: %s", attention.name)
-    runner = ModelRunner(loaded.hf_model, None, attention, getattr(loaded.hf_config, "sliding_window", None))
+    runner = ModelRunner(loaded.hf_model, None, attention, loaded.layer_attention,
+                         adapter.stage_input_scale)
     if device.type == "cuda" and not config.enforce_eager:
-        if config.num_workers > 1:
+        if not loaded.layer_attention.is_uniform:
+            log.info("CUDA graphs are off: this model's layers attend differently (windows %s, soft-cap %s)",
+                     loaded.layer_attention.distinct_windows, loaded.layer_attention.softcap)
+        elif config.num_workers > 1:
             log.info("CUDA graphs are off in a deployment of %d worker processes: their steps run eagerly",
                      config.num_workers)
         elif attention.name != "triton":

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from elastic_hf.kv.attention_backends import AttentionBackend
+from elastic_hf.kv.attention_backends import AttentionBackend, LayerAttention
 from elastic_hf.kv.page_pool import KVPagePool
-from elastic_hf.kv.paged_batch import is_batched_decode
 from elastic_hf.model.stage import StageSpec, StageView
 
 
@@ -41,13 +40,15 @@ class ModelRunner:
     """The eager runner; model/cuda_graph_runner.py wraps it to replay decode steps as CUDA graphs."""
 
     def __init__(self, model: nn.Module, pool: KVPagePool | None, attention: AttentionBackend,
-                 sliding_window: int | None = None):
+                 layer_attention: LayerAttention | None = None, stage_input_scale: str | None = None):
         """pool: None until the worker's KV pool exists (a deployment sizes it after start). attention: the
-        instance's backend, chosen once at build (kv/attention_backends.py)."""
+        instance's backend, chosen once at build (kv/attention_backends.py). layer_attention: the layers' windows
+        and soft-cap (None: plain causal everywhere). stage_input_scale: see model/stage.StageView."""
         self.model = model
         self.pool = pool
         self.attention = attention
-        self.sliding_window = sliding_window
+        self.layer_attention = layer_attention or LayerAttention()
+        self.stage_input_scale = stage_input_scale
         self.device = next(model.parameters()).device
         self.stage_view: StageView | None = None
 
@@ -59,7 +60,7 @@ class ModelRunner:
     def set_stage(self, spec: StageSpec, layers: nn.ModuleList) -> None:
         """Run only the layers [spec.layer_start, spec.layer_end) from now on (the whole range undoes it)."""
         if self.stage_view is None:
-            self.stage_view = StageView(self.model, layers)
+            self.stage_view = StageView(self.model, layers, self.stage_input_scale)
         self.stage_view.apply(spec)
 
     @torch.inference_mode()
@@ -74,8 +75,8 @@ class ModelRunner:
         """The step as one packed varlen batch, with the attention backend's metadata built once for every layer."""
         # Decodes go first in the packed batch: their rows are then one contiguous slice, which the attention
         # reads and writes as views instead of gathers and scatters.
-        order = sorted(range(len(inputs)), key=lambda i: not is_batched_decode(
-            inputs[i].num_computed, len(inputs[i].token_ids), self.sliding_window))
+        order = sorted(range(len(inputs)), key=lambda i: not self.layer_attention.is_batched_decode(
+            inputs[i].num_computed, len(inputs[i].token_ids)))
         step = PackedStep(len(inputs))
         for i in order:
             seq = inputs[i]
@@ -90,7 +91,7 @@ class ModelRunner:
                 step.logit_owner.append(i)
         step.batch = self.attention.build_metadata(
             self.pool, [(inputs[i].num_computed, len(inputs[i].token_ids), inputs[i].block_ids) for i in order],
-            self.sliding_window)
+            self.layer_attention)
         return step
 
     @torch.inference_mode()

@@ -41,11 +41,15 @@ class StageSpec:
 class StageView:
     """Switches one HF model between stage layouts in place (cheap: module references only)."""
 
-    def __init__(self, hf_model: nn.Module, layers: nn.ModuleList):
+    def __init__(self, hf_model: nn.Module, layers: nn.ModuleList, input_scale: str | None = None):
+        """input_scale: an attribute of the decoder that scales `inputs_embeds` in its forward (Granite's
+        embedding_multiplier, ArchAdapter.stage_input_scale): 1 on a later stage, whose inputs are hidden states."""
         self.decoder = hf_model.get_decoder()
         self.layers = layers                     # the decoder's ModuleList, shared with the weights and morphing
         self.held: list[nn.Module] = list(layers)
         self.norm = self.decoder.norm
+        self.input_scale = input_scale
+        self.scale = getattr(self.decoder, input_scale) if input_scale else None
         self.spec = StageSpec(0, len(layers))
 
     def apply(self, spec: StageSpec) -> None:
@@ -59,4 +63,6 @@ class StageView:
             inside = spec.layer_start <= i < spec.layer_end
             self.layers[i] = module if inside else SkippedLayer(i, getattr(module, "attention_type", None))
         self.decoder.norm = self.norm if spec.is_last else nn.Identity()
+        if self.input_scale:
+            setattr(self.decoder, self.input_scale, self.scale if spec.is_first else 1.0)
         self.spec = spec

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from elastic_hf.layers.packed_linear import fusable, pack_fused, pack_linear, takes_packing
+from elastic_hf.layers.quant_linear import is_quant_linear
 from elastic_hf.memory import MemoryBudget, create_arena
 from elastic_hf.memory.arena import PageArena
 from elastic_hf.units import round_up
@@ -48,8 +49,11 @@ class WeightPlacement:
 
 
 def _unique_params(module: nn.Module, exclude: set[int]) -> list[nn.Parameter]:
+    """Its parameters, and the buffers of its quantized Linears (a pre-quantized checkpoint's W4 layers hold
+    their weights as buffers): the tensors the arena must hold and the budget must count."""
     params = []
-    for p in module.parameters():
+    quantized = [t for m in module.modules() if is_quant_linear(m) for t in m.buffers(recurse=False)]
+    for p in [*module.parameters(), *quantized]:
         if id(p) not in exclude:
             exclude.add(id(p))
             params.append(p)

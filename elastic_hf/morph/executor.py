@@ -58,6 +58,11 @@ def prepare_layer_store(config: MorphConfig, hf_model: nn.Module, adapter, layer
                         model_id: str) -> LayerStore:
     """Build (or load from the cache) every layer's quantized variants before the weights are placed: their sizes
     shape the weights arena (one reserved slot per precision and layer)."""
+    if adapter.morph_refusal:
+        raise ValueError(f"precision morphing cannot quantize this model's layers: {adapter.morph_refusal}")
+    if config.method == "awq" and adapter.awq_refusal:
+        raise ValueError(f"morph calibration (AWQ) is not available for {adapter.model_types[0]}: "
+                         f"{adapter.awq_refusal}; leave calib_path unset for RTN variants")
     return LayerStore.build(hf_model, adapter, layers, config, checkpoint_dir, model_id)
 
 

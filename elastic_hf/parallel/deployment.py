@@ -25,6 +25,8 @@ from elastic_hf.engine.scheduler import Scheduler
 from elastic_hf.kv.kv_manager import KVManager
 from elastic_hf.kv.prefix_cache import PrefixCache, hash_function, prompt_lookup_hashes
 from elastic_hf.layers.shard_layout import allowed_tp_degrees
+from elastic_hf.model.generation_defaults import generation_defaults
+from elastic_hf.model.loader import eos_token_ids, parse_dtype
 from elastic_hf.morph.builder import create_manager, swap_order
 from elastic_hf.morph.manager import MorphManager
 from elastic_hf.morph.metrics import MorphMetrics
@@ -37,6 +39,7 @@ from elastic_hf.parallel.reshape import (RETIRED_COUNTERS, ReshapeAborted, Resha
 from elastic_hf.parallel.executor import Executor
 from elastic_hf.parallel.worker import Worker, worker_class
 from elastic_hf.parallel.worker_pool import InProcessExecutor, MultiprocessExecutor, WorkerError
+from elastic_hf.patches import get_adapter
 from elastic_hf.topology import InstanceShape, Topology, candidate_topologies, parse_topology
 from elastic_hf.units import ceil_div
 
@@ -49,15 +52,14 @@ MAX_DEFAULT_MODEL_LEN = 8192
 class Deployment:
     def __init__(self, config: EngineConfig, *, checkpoint_dir, model_id: str, tokenizer, hf_config):
         """Start the workers of `config` for a resolved checkpoint (ElasticModel.from_pretrained resolves it)."""
-        from elastic_hf.model.loader import eos_token_ids
-        from elastic_hf.patches import get_adapter
-
         self.config = config
         self.model_id = model_id
         self.checkpoint_dir = checkpoint_dir
         self.tokenizer = tokenizer
         self.hf_config = hf_config
-        _, self.num_kv_heads, self.head_dim = get_adapter(hf_config).head_counts(hf_config)
+        self.generation_defaults = generation_defaults(config.generation_config, checkpoint_dir)
+        adapter = get_adapter(hf_config).for_workers(config.num_workers)
+        _, self.num_kv_heads, self.head_dim = adapter.head_counts(hf_config)
         self.degrees = allowed_tp_degrees(config.num_workers, self.num_kv_heads)
         self.num_layers = hf_config.num_hidden_layers
         self.candidates = candidate_topologies(config.num_workers, self.degrees, with_standby=True,
@@ -106,9 +108,7 @@ class Deployment:
         if self.config.num_workers == 1:
             worker = worker_class(self.config)(self.config, str(self.checkpoint_dir), model_id=self.model_id)
             return InProcessExecutor(worker)
-        from elastic_hf.model.loader import parse_dtype
         from elastic_hf.parallel.weight_store import SharedWeightStore
-        from elastic_hf.patches import get_adapter
 
         store = SharedWeightStore.from_checkpoint(self.checkpoint_dir, get_adapter(self.hf_config),
                                                   self.hf_config.num_hidden_layers, parse_dtype(self.config.dtype))

@@ -60,7 +60,8 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.topology = Topology(config.topology)
         self.master_addr, self.master_port = master_addr, master_port
-        loaded = load_model(checkpoint_dir, config.dtype, self.device)
+        loaded = load_model(checkpoint_dir, config.dtype, self.device, config.trust_remote_code)
+        loaded.adapter.for_workers(config.num_workers)
         self.loaded = loaded
         self.degrees = allowed_tp_degrees(config.num_workers, loaded.num_kv_heads)
         self.groups: ProcessGroups | None = None

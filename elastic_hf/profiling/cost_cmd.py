@@ -46,12 +46,12 @@ def _run(args) -> int:
         raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    resolved = resolve_model(args.model)
+    resolved = resolve_model(args.model, dtype=args.dtype, device=args.device)
     grid = GRIDS[args.grid]
     out_path = Path(args.out) if args.out else default_out_path(resolved.checkpoint_dir, resolved.model_id).with_name(
         f"cost-profile-{resolved.model_id}.json")
     probe = grid_micro_batches(grid, 1 << 30)
-    timer = MicroBatchTimer(resolved.checkpoint_dir, args.dtype, args.device,
+    timer = MicroBatchTimer(resolved.checkpoint_dir, resolved.dtype, args.device,
                             max_blocks=max(MicroBatchTimer.blocks_for(chunks, 16) for chunks in probe))
     micro_batches = grid_micro_batches(grid, timer.max_positions)
     print(f"timing {len(micro_batches)} micro-batches of {resolved.model_id} ({timer.num_layers} layers, "

@@ -8,6 +8,7 @@ OpenAI JSON / SSE. Every client error becomes an OpenAI-style error body and tou
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -29,11 +30,13 @@ def system_fingerprint(model: str) -> str:
     return "fp_" + hashlib.sha256(f"elastic-hf {VERSION} {model}".encode()).hexdigest()[:10]
 
 
-def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, model_id: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The app serving `async_engine` as `model_id` (default: the engine's). With `api_key`, /v1 routes need
-    `Authorization: Bearer <api_key>`; /health and /metrics stay open for probes and scrapers."""
-    model_id = model_id or async_engine.model_id
+def build_app(async_engine: AsyncEngine, *, api_key: str | None = None,
+              model_id: str | Sequence[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The app serving `async_engine` as `model_id` (default: the engine's; several names: any of them, the
+    first in /health and the metrics). With `api_key`, /v1 routes need `Authorization: Bearer <api_key>`; /health
+    and /metrics stay open for probes and scrapers."""
+    names = (model_id,) if isinstance(model_id, str) else tuple(model_id or ()) or (async_engine.model_id,)
+    model_id = names[0]
     app = FastAPI(title="elastic-hf", description="OpenAI-compatible server over elastic-hf")
     app.state.async_engine = async_engine
     async_engine.metrics.set_model_name(model_id)   # vLLM's series name the served model: dashboards select by it
@@ -52,9 +55,9 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, model_id
     async def metrics():
         return Response(generate_latest(async_engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(openai_router(async_engine, model_id=model_id, tokenizer=async_engine.tokenizer,
+    app.include_router(openai_router(async_engine, names=names, tokenizer=async_engine.tokenizer,
                                      max_model_len=async_engine.max_model_len,
                                      system_fingerprint=system_fingerprint(async_engine.model_id)))
-    app.include_router(utility_router(async_engine, model_id=model_id, max_model_len=async_engine.max_model_len))
+    app.include_router(utility_router(async_engine, names=names, max_model_len=async_engine.max_model_len))
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     return app

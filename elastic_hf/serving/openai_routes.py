@@ -22,7 +22,7 @@ from elastic_hf.serving.streaming import (EngineStreamingResponse, ResponseConte
 MAX_CHOICES = 128  # n x prompts per HTTP request: one request must not flood the scheduler
 
 
-async def parse(request: Request, model: type[p.SamplingRequest], model_id: str) -> p.SamplingRequest:
+async def parse(request: Request, model: type[p.SamplingRequest], names: tuple[str, ...]) -> p.SamplingRequest:
     """The body as `model`, for the served model, without unsupported options; APIError otherwise."""
     raw = await request.body()
     try:
@@ -35,8 +35,8 @@ async def parse(request: Request, model: type[p.SamplingRequest], model_id: str)
         req = model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc)
-    if req.model != model_id:
-        raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_id!r}",
+    if req.model not in names:
+        raise APIError(404, f"model {req.model!r} does not exist; this server serves {' or '.join(map(repr, names))}",
                        param="model", code="model_not_found")
     unsupported = req.unsupported()
     if unsupported:
@@ -57,9 +57,9 @@ def check_max_tokens(max_tokens: int | None, max_model_len: int, name: str = "ma
                             f"max_model_len={max_model_len}", param=name)
 
 
-def sampling_params(req: p.SamplingRequest, max_tokens: int) -> SamplingParams:
+def sampling_params(req: p.SamplingRequest, max_tokens: int, defaults: dict) -> SamplingParams:
     try:
-        return req.sampling_params(max_tokens)
+        return req.sampling_params(max_tokens, defaults)
     except ValueError as exc:
         raise api_error_from_engine(exc) from exc
 
@@ -68,16 +68,17 @@ def echo_text(tokenizer, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
 
-def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_model_len: int,
+def openai_router(async_engine: AsyncEngine, *, names: tuple[str, ...], tokenizer, max_model_len: int,
                   system_fingerprint: str | None = None) -> APIRouter:
-    """The /v1 routes serving `async_engine` under the name `model_id`. Errors are raised as APIError: the app
+    """The /v1 routes serving `async_engine` under `names` (vLLM's --served-model-name: any of them in a request's
+    'model', which its response echoes). Errors are raised as APIError: the app
     needs `errors.install_error_handlers` for them to become OpenAI-style bodies. `system_fingerprint` names the
     backend configuration in every response (OpenAI's field; clients compare it to tell deployments apart)."""
     router = APIRouter()
     formatter = LogprobFormatter(tokenizer)
 
     def context(prefix: str, req: p.SamplingRequest) -> ResponseContext:
-        return ResponseContext(p.new_id(prefix), model_id, system_fingerprint, formatter,
+        return ResponseContext(p.new_id(prefix), req.model, system_fingerprint, formatter,
                                include_usage=req.include_usage, continuous_usage=req.continuous_usage)
 
     async def submit(prompts: list, params: SamplingParams, prefix: str) -> list[RequestStream]:
@@ -89,15 +90,16 @@ def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_mo
 
     @router.get("/v1/models")
     async def models():
-        return p.ModelList(data=[p.ModelCard(id=model_id, root=async_engine.model_id,
-                                             max_model_len=max_model_len)]).model_dump()
+        return p.ModelList(data=[p.ModelCard(id=name, root=async_engine.model_id, max_model_len=max_model_len)
+                                 for name in names]).model_dump()
 
     @router.post("/v1/completions")
     async def completions(request: Request):
-        req: p.CompletionRequest = await parse(request, p.CompletionRequest, model_id)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        req: p.CompletionRequest = await parse(request, p.CompletionRequest, names)
+        defaults = async_engine.default_sampling
+        max_tokens = defaults.get("max_tokens", 16) if req.max_tokens is None else req.max_tokens
         check_max_tokens(max_tokens, max_model_len)
-        params = sampling_params(req, max_tokens)
+        params = sampling_params(req, max_tokens, defaults)
         prompts = req.prompts()
         if len(prompts) * params.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={params.n} = {len(prompts) * params.n} choices; "
@@ -128,7 +130,7 @@ def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_mo
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req: p.ChatCompletionRequest = await parse(request, p.ChatCompletionRequest, model_id)
+        req: p.ChatCompletionRequest = await parse(request, p.ChatCompletionRequest, names)
         requested = req.requested_max_tokens()
         check_max_tokens(requested, max_model_len,
                          "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
@@ -140,9 +142,11 @@ def openai_router(async_engine: AsyncEngine, *, model_id: str, tokenizer, max_mo
         if len(prompt_ids) >= max_model_len:
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len}",
                            param="messages", code="context_length_exceeded")
-        # OpenAI's default for chat is "as many as fit"
-        max_tokens = requested if requested is not None else max_model_len - len(prompt_ids)
-        params = sampling_params(req, max_tokens)
+        # OpenAI's default for chat is "as many as fit", capped by the model's generation config (as vLLM does)
+        defaults = async_engine.default_sampling
+        fit = max_model_len - len(prompt_ids)
+        max_tokens = requested if requested is not None else min(fit, defaults.get("max_tokens", fit))
+        params = sampling_params(req, max_tokens, defaults)
         if params.n > MAX_CHOICES:
             raise APIError(400, f"n={params.n} is beyond the limit of {MAX_CHOICES} choices per request", param="n")
         streams = await submit([prompt_ids], params, "chatcmpl")

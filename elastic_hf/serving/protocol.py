@@ -69,15 +69,22 @@ class SamplingRequest(BaseModel):
         """(logprobs, prompt_logprobs) for SamplingParams: how many alternatives per output / prompt token."""
         return None, None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Raises ValueError naming the argument and its allowed range."""
+    def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        """Raises ValueError naming the argument and its allowed range. defaults: the values of fields the request
+        leaves unset (the model's generation_config.json), else OpenAI's."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        defaults = defaults or {}
+
+        def value(name: str, fallback):
+            given = getattr(self, name)
+            return given if given is not None else defaults.get(name, fallback)
+
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            temperature=value("temperature", 1.0),
+            top_p=value("top_p", 1.0),
+            top_k=value("top_k", 0) or 0,
+            repetition_penalty=value("repetition_penalty", 1.0),
             seed=self.seed, n=self.n, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             **dict(zip(("logprobs", "prompt_logprobs"), self.logprob_options())), cache_salt=self.cache_salt,

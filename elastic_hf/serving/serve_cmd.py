@@ -19,14 +19,33 @@ _OWN_DEFAULT = "%(default).0s"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                        help="local Hugging Face checkpoint directory or .gguf file; omit for the embedded "
-                             "SmolLM2-135M-Instruct" + _OWN_DEFAULT)
+                        help="Hugging Face Hub repo id ('org/name': from the HF cache, downloaded when missing and "
+                             "the Hub is reachable), local checkpoint directory or .gguf file; omit for the "
+                             "embedded SmolLM2-135M-Instruct" + _OWN_DEFAULT)
+    parser.add_argument("--revision", default=None,
+                        help="Hub branch, tag or commit of MODEL (default: main)" + _OWN_DEFAULT)
+    parser.add_argument("--download-dir", default=None,
+                        help="Hub cache directory to read and download into (default: huggingface_hub's, "
+                             "$HF_HUB_CACHE or $HF_HOME/hub)" + _OWN_DEFAULT)
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory or Hub repo id (default: MODEL's own)" + _OWN_DEFAULT)
+    parser.add_argument("--hf-token", default=None,
+                        help="Hub token for gated or private repos (default: $HF_TOKEN or `hf auth login`'s)"
+                        + _OWN_DEFAULT)
+    parser.add_argument("--trust-remote-code", action="store_true", default=None,
+                        help="run Python code shipped in the model repo (its own config, modeling and tokenizer "
+                             "classes); off: only transformers' own classes load, and a repo that needs its code is "
+                             "refused (default: off)" + _OWN_DEFAULT)
+    parser.add_argument("--generation-config", default=None,
+                        help="default sampling values of requests that set none: auto = the model's "
+                             "generation_config.json, vllm = the engine's own, or a directory holding a "
+                             "generation_config.json (default: auto)" + _OWN_DEFAULT)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind; the loopback default keeps the server private to this machine")
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model name clients send in 'model' and see in /v1/models "
-                             "(default: the model id)" + _OWN_DEFAULT)
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="model name(s) clients send in 'model' and see in /v1/models; the first one in "
+                             "/health and the metrics (default: the repo id or directory name)" + _OWN_DEFAULT)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="vLLM's name for a --memory-budget given as a fraction of the device, e.g. 0.9 "
                              "(default: unset)" + _OWN_DEFAULT)
@@ -38,9 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt + completion in tokens (default: what the model and KV cache allow, "
                              "at most 8192)" + _OWN_DEFAULT)
     parser.add_argument("--dtype", default=None,
-                        choices=("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
-                        help="weight and KV dtype; auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or amx_bf16, "
-                             "float32 otherwise (default: float32)" + _OWN_DEFAULT)
+                        choices=("auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half"),
+                        help="weight and KV dtype; auto: the checkpoint's (float16 runs as bfloat16 on a CPU), for "
+                             "a .gguf file bfloat16 on CUDA and on CPUs with avx512_bf16 or amx_bf16, float32 "
+                             "otherwise (default: auto)" + _OWN_DEFAULT)
     parser.add_argument("--device", default=None, choices=("cpu", "cuda"),
                         help="where the model runs; cuda: worker i on GPU i (default: cpu)" + _OWN_DEFAULT)
     parser.add_argument("--enforce-eager", action="store_true", default=None,
@@ -168,7 +188,9 @@ def engine_config(args: argparse.Namespace):
                                                        "max_stop_string_chars", "max_queued_requests",
                                                        "overload", "cost_profile", "packed_weights", "device",
                                                        "enforce_eager", "enable_prefix_caching",
-                                                       "prefix_caching_hash_algo")
+                                                       "prefix_caching_hash_algo", "revision", "download_dir",
+                                                       "tokenizer", "hf_token", "trust_remote_code",
+                                                       "generation_config")
                if getattr(args, name) is not None}
     return EngineConfig(model=args.model, num_workers=args.workers, topology=topology,
                         tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)

@@ -36,14 +36,15 @@ async def _body(request: Request, model: type[BaseModel]):
         raise validation_error(exc)
 
 
-def utility_router(async_engine, *, model_id: str, max_model_len: int) -> APIRouter:
+def utility_router(async_engine, *, names: tuple[str, ...], max_model_len: int) -> APIRouter:
     """The utility routes of the model `async_engine` serves; tokenization runs on its input thread."""
     tokenizer = async_engine.tokenizer
     router = APIRouter()
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_id:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {model_id!r}", param="model",
+        if name is not None and name not in names:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {' or '.join(map(repr, names))}",
+                           param="model",
                            code="model_not_found")
 
     @router.get("/version")
@@ -61,7 +62,7 @@ def utility_router(async_engine, *, model_id: str, max_model_len: int) -> APIRou
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            chat = p.ChatCompletionRequest(model=model_id, messages=req.messages,
+            chat = p.ChatCompletionRequest(model=names[0], messages=req.messages,
                                            add_generation_prompt=req.add_generation_prompt)
             try:
                 tokens = await async_engine.on_input_thread(async_engine.input_processor.render_chat,

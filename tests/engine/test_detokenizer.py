@@ -16,7 +16,7 @@ def tokenizer():
 
     from elastic_hf.model.loader import resolve_model
 
-    return AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir)
+    return AutoTokenizer.from_pretrained(resolve_model(None, dtype="float32").checkpoint_dir)
 
 
 class CountingTokenizer:

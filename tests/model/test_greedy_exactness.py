@@ -16,20 +16,6 @@ def _check(model: ElasticModel, reference, prompts, max_new=MAX_NEW):
     return outputs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_tiny_models_match_hf_with_chunked_prefill(arch, tiny_checkpoint):
-    from elastic_hf.model.loader import load_hf_model
-
-    path = tiny_checkpoint(arch)
-    reference, _ = load_hf_model(path)
-    # A 48-token step budget splits every prompt longer than that into chunks sharing steps with decodes.
-    model = ElasticModel.from_pretrained(path, max_num_batched_tokens=48, kv_cache_memory=16 << 20)
-    prompts = mixed_prompts(model.tokenizer, 10, 3, 100, seed=1)
-    _check(model, reference, prompts)
-    assert model.engine.num_steps > MAX_NEW  # chunking really happened
-    assert model.memory_report()["kv_blocks_used"] == 0  # every block released on finish
-
-
 def test_tiny_model_under_forced_preemption(tiny_checkpoint):
     from elastic_hf.model.loader import load_hf_model
 

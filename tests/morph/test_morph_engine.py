@@ -37,9 +37,17 @@ def _step_until(engine, predicate, limit=500, what=lambda: None):
     raise AssertionError(f"condition not reached in {limit} steps: {what()}")
 
 
-def test_decoding_continues_across_w4_and_back_without_recompute(tiny_checkpoint):
+# Llama, and the families whose layers differ most: Qwen3 (q/k norms), Gemma 3 (four norms, window and global
+# layers), Phi-3 (fused qkv/gate_up Linears quantized whole) and Qwen3-MoE (attention quantized, experts kept); the
+# other families in the slow tier.
+_FAST_FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe"]
+_OTHER_FAMILIES = ["qwen2", "mistral", "gemma2", "olmo2", "granite", "mixtral"]
+
+
+@pytest.mark.parametrize("arch", _FAST_FAMILIES + [pytest.param(a, marks=pytest.mark.slow) for a in _OTHER_FAMILIES])
+def test_decoding_continues_across_w4_and_back_without_recompute(arch, tiny_checkpoint):
     # The prompt runs twice (reference, then the morphed run): no prefix cache, so every prompt token is prefilled.
-    model = tiny_morph_model(tiny_checkpoint("llama"), enable_prefix_caching=False)
+    model = tiny_morph_model(tiny_checkpoint(arch), enable_prefix_caching=False)
     original = snapshot(model)
     prompt = list(range(3, 40))
     reference = model.generate(prompt, max_tokens=16, ignore_eos=True).outputs[0].token_ids
@@ -66,7 +74,7 @@ def test_default_model_memory_moves_from_weights_to_kv():
     within 5 % + 2 MiB (heap noise); the KV cache grows by every whole block beyond the headroom."""
     from elastic_hf import ElasticModel
 
-    model = ElasticModel.from_pretrained(None, kv_cache_memory=32 << 20, morph="manual",
+    model = ElasticModel.from_pretrained(None, kv_cache_memory=32 << 20, morph="manual", dtype="float32",
                                          morph_options={"precisions": ("w4",)})
     k = 6
     placement = model.worker.weights.placement

@@ -67,8 +67,8 @@ def test_tp4_and_tp2_plus_two_tp1_match_hf_across_reshapes(tp_checkpoint):
 def test_tp2_default_model_matches_hf():
     from elastic_hf.model.loader import resolve_model
 
-    path = resolve_model(None).checkpoint_dir
+    path = resolve_model(None, dtype="float32").checkpoint_dir
     reference, tokenizer = load_hf_model(path)
     prompts = mixed_prompts(tokenizer, 2, 5, 40, seed=13)
-    with ElasticModel.from_pretrained(None, workers=2, tp=2, kv_cache_memory=32 << 20) as model:
+    with ElasticModel.from_pretrained(None, workers=2, tp=2, kv_cache_memory=32 << 20, dtype="float32") as model:
         _check(model, reference, prompts, max_new=6)

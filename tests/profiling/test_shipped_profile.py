@@ -19,7 +19,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def default_hf_config():
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_model(None).checkpoint_dir)
+    return AutoConfig.from_pretrained(resolve_model(None, dtype="float32").checkpoint_dir)
 
 
 def test_shipped_profile_matches_default_model(default_hf_config):

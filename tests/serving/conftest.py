@@ -30,7 +30,7 @@ def default_server():
     session: loading it and computing its references takes seconds)."""
     from elastic_hf import ElasticModel
 
-    model = ElasticModel.from_pretrained(None, max_model_len=2048, kv_cache_memory=256 << 20)
+    model = ElasticModel.from_pretrained(None, max_model_len=2048, kv_cache_memory=256 << 20, dtype="float32")
     handle, stop = start_server(model, prompts=["The capital of France is"],
                                 chats=["What is the capital of France? Answer in one word."])
     yield handle
