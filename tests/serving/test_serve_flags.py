@@ -28,7 +28,7 @@ def test_vllm_flag_names_map_onto_the_config():
     config = _config("--block-size", "32", "--max-stop-strings", "4", "--max-stop-string-chars", "8")
     assert (config.block_size, config.max_stop_strings, config.max_stop_string_chars) == (32, 4, 8)
     config = _config("--device", "cuda", "--enforce-eager")
-    assert (config.device, config.enforce_eager, config.dtype) == ("cuda", True, "float32")
+    assert (config.device, config.enforce_eager, config.dtype) == ("cuda", True, "auto")
     assert _config().device == "cpu" and _config().enforce_eager is False
     with pytest.raises(ValueError, match="not both"):
         _config("--gpu-memory-utilization", "0.5", "--memory-budget", "1GiB")
