@@ -66,7 +66,7 @@ print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, out)
 
 
 @pytest.mark.slow
-def test_gguf_converts_straight_to_bf16_keyed_by_content(tmp_path):
+def test_gguf_converts_straight_to_bf16_keyed_by_content(tmp_path, monkeypatch):
     """The default GGUF asked for in bf16: the peak RSS of the conversion stays below the bf16 model plus a whole
     fp32 copy (transformers de-quantizes one tensor at a time); a copy of the file elsewhere, with a new mtime,
     finds the same cache entry."""
@@ -78,9 +78,8 @@ def test_gguf_converts_straight_to_bf16_keyed_by_content(tmp_path):
     from elastic_hf.model.default_model import default_gguf_path
 
     env = {**os.environ, "ELASTIC_HF_CACHE": str(tmp_path / "cache")}
-    run = lambda gguf: subprocess.run([sys.executable, "-c", _CONVERT_AND_MEASURE, str(gguf)], env=env,  # noqa: E731
-                                      capture_output=True, text=True, timeout=600, check=True).stdout.split()
-    base, peak, out = run(default_gguf_path())
+    base, peak, out = subprocess.run([sys.executable, "-c", _CONVERT_AND_MEASURE, str(default_gguf_path())], env=env,
+                                     capture_output=True, text=True, timeout=600, check=True).stdout.split()
     bf16_bytes = os.path.getsize(os.path.join(out, "model.safetensors"))
     with __import__("safetensors").safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
@@ -89,4 +88,6 @@ def test_gguf_converts_straight_to_bf16_keyed_by_content(tmp_path):
     stamp = os.stat(os.path.join(out, "model.safetensors")).st_mtime_ns
     (tmp_path / "elsewhere").mkdir()
     copy = shutil.copy(default_gguf_path(), tmp_path / "elsewhere")   # same content, new path and mtime
-    assert run(copy)[2] == out and os.stat(os.path.join(out, "model.safetensors")).st_mtime_ns == stamp
+    monkeypatch.setenv("ELASTIC_HF_CACHE", str(tmp_path / "cache"))
+    assert str(resolve_model(copy, dtype="bfloat16").checkpoint_dir) == out
+    assert os.stat(os.path.join(out, "model.safetensors")).st_mtime_ns == stamp   # found, not converted again
