@@ -158,6 +158,9 @@ class EngineConfig:
     max_stop_strings: int = 64
     max_stop_string_chars: int = 1024
     max_queued_requests: int = 1024      # waiting sequences beyond which new requests are refused (HTTP 503)
+    max_stop_token_ids: int = 1024       # stop_token_ids one request may give
+    # n x max_tokens x (1 + logprobs) of one request: the tokens and alternatives it may make the engine produce
+    max_request_output_cost: int = 1 << 22
     # -- deployment
     num_workers: int = 1                 # 1: one worker driven in-process; more: worker processes (torch.distributed)
     # Instances over consecutive workers: a TP degree, or "TPxPP" (optionally ":16/14" layers per stage) each, e.g.
@@ -199,7 +202,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("max_stop_strings", "max_stop_string_chars", "max_queued_requests"):
+        for name in ("max_stop_strings", "max_stop_string_chars", "max_queued_requests", "max_stop_token_ids",
+                     "max_request_output_cost"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -26,18 +26,24 @@ class EngineRequest:
 
 class InputProcessor:
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_stop_strings: int = 64,
-                 max_stop_string_chars: int = 1024):
+                 max_stop_string_chars: int = 1024, max_stop_token_ids: int = 1024,
+                 max_request_output_cost: int = 1 << 22):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_stop_strings = max_stop_strings
         self.max_stop_string_chars = max_stop_string_chars
+        self.max_stop_token_ids = max_stop_token_ids
+        self.max_request_output_cost = max_request_output_cost
 
     @classmethod
     def for_config(cls, config, tokenizer, vocab_size: int, max_model_len: int) -> "InputProcessor":
-        """The limits of an EngineConfig (max_stop_strings, max_stop_string_chars)."""
+        """The limits of an EngineConfig (max_stop_strings, max_stop_string_chars, max_stop_token_ids,
+        max_request_output_cost)."""
         return cls(tokenizer, vocab_size=vocab_size, max_model_len=max_model_len,
-                   max_stop_strings=config.max_stop_strings, max_stop_string_chars=config.max_stop_string_chars)
+                   max_stop_strings=config.max_stop_strings, max_stop_string_chars=config.max_stop_string_chars,
+                   max_stop_token_ids=config.max_stop_token_ids,
+                   max_request_output_cost=config.max_request_output_cost)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -45,9 +51,15 @@ class InputProcessor:
         return list(prompt)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation through the model's chat template; ValueError for content it cannot take."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True, return_dict=False)
+        """Token ids of a conversation through the model's chat template; ValueError for content it cannot take
+        (also when the template refuses it with raise_exception, as chat templates do for roles they lack)."""
+        import jinja2
+
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, return_dict=False)
+        except jinja2.TemplateError as exc:
+            raise InvalidRequest(f"the chat template refused this conversation: {exc}", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some tokenizers return a BatchEncoding regardless
             ids = ids["input_ids"]
         return list(ids)
@@ -57,6 +69,7 @@ class InputProcessor:
         prompt_ids = self.tokenize(prompt)
         self.check_prompt(prompt_ids, params)
         self.check_stop_strings(params)
+        self.check_request_cost(params)
         return EngineRequest(request_id, prompt_ids, params, time.time() if arrival_time is None else arrival_time)
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -75,6 +88,17 @@ class InputProcessor:
         if bad:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
                                  param="prompt")
+
+    def check_request_cost(self, params: SamplingParams) -> None:
+        """What one request may ask the engine to do: stop token ids checked per sampled token, and the tokens and
+        alternatives its choices produce."""
+        if len(params.stop_token_ids) > self.max_stop_token_ids:
+            raise InvalidRequest(f"at most {self.max_stop_token_ids} stop_token_ids are allowed, got "
+                                 f"{len(params.stop_token_ids)}", param="stop_token_ids")
+        if params.output_cost > self.max_request_output_cost:
+            raise InvalidRequest(f"n={params.n} x max_tokens={params.max_tokens} x (1 + logprobs="
+                                 f"{params.logprobs or 0}) = {params.output_cost} exceeds this server's limit of "
+                                 f"{self.max_request_output_cost} per request", param="n")
 
     def check_stop_strings(self, params: SamplingParams) -> None:
         """Stop strings are matched at every step of their request: their number and length are capped."""

@@ -24,7 +24,7 @@ class OutputProcessor:
         token or a stop string; "length") or not (None). An EOS / stop token is not part of the output."""
         params = seq.params
         reason = None
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_set:
             reason = "stop"
             # The EOS / stop token is not part of the text; keep it out of the output like OpenAI does.
             seq.token_ids.pop()

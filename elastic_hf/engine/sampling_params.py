@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from elastic_hf.engine.errors import InvalidRequest
@@ -9,6 +10,9 @@ from elastic_hf.engine.errors import InvalidRequest
 # Most alternatives per token a request may ask for (vLLM's default --max-logprobs, OpenAI's top_logprobs limit):
 # every one is a top-k over the vocabulary at every step.
 MAX_LOGPROBS = 20
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-200 overflows to inf and the
+# sampler would see NaN probabilities.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class RequestOutputKind(enum.Enum):
@@ -39,12 +43,21 @@ class SamplingParams:
     # Not a sampling knob but a property of the request that travels with it (vLLM's cache_salt): prompt KV is
     # shared through the prefix cache only between requests of the same salt (kv/prefix_cache.py).
     cache_salt: str | None = None
+    # stop_token_ids as a set: every sampled token of every step is looked up in it (a list scan costs ~1 ms at
+    # 150k ids); derived, not an argument
+    stop_token_set: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidRequest(f"{name} must be a finite number, got {value!r}", param=name)
+        if 0 < self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
         if self.temperature < 0:
@@ -64,8 +77,9 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty", param="stop")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}",
+            raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids[:8]}",
                                  param="stop_token_ids")
+        self.stop_token_set = frozenset(self.stop_token_ids)
 
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidRequest(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
@@ -75,6 +89,11 @@ class SamplingParams:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or not 0 <= value <= MAX_LOGPROBS):
                 raise InvalidRequest(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", param=name)
+
+    @property
+    def output_cost(self) -> int:
+        """Tokens the request may make the engine produce and report: n x max_tokens x (1 + logprobs each)."""
+        return self.n * self.max_tokens * (1 + (self.logprobs or 0))
 
     @property
     def is_greedy(self) -> bool:

@@ -53,6 +53,8 @@ class SwapCounters:
     total_copy_s: float = 0.0
     total_latency_s: float = 0.0
     last: SwapRecord | None = None
+    num_failed_copies: int = 0        # copies that failed: the layer stayed where it was, the slot went back
+    last_failure: str | None = None
 
 
 class LayerSwapper:
@@ -118,7 +120,9 @@ class LayerSwapper:
         if finished:
             self.copier.sync_compute()
         for job in finished:
-            records.append(self._switch(job))
+            record = self._switch(job)
+            if record is not None:
+                records.append(record)
         for job in sorted(self._jobs.values(), key=lambda j: j.requested_at):
             if job.copy is None:
                 self._start(job)
@@ -140,8 +144,12 @@ class LayerSwapper:
         target = self.arena.view(dst.offset, (image.nbytes,), torch.uint8)  # [nbytes]
         job.copy = self.copier.submit(target, image.data)
 
-    def _switch(self, job: _Job) -> SwapRecord:
-        job.copy.raise_if_failed()
+    def _switch(self, job: _Job) -> SwapRecord | None:
+        try:
+            job.copy.raise_if_failed()
+        except Exception as exc:  # noqa: BLE001 - whatever the copy thread raised, it ends here, once
+            self._fail(job, exc)
+            return None
         self.layers[job.layer] = self.store.module(job.layer, job.dst)
         src = self.region(job.layer, job.src)
         self.arena.decommit(src.offset, src.nbytes)
@@ -164,6 +172,18 @@ class LayerSwapper:
         log.debug("layer %d %s -> %s: copy %.1f ms, latency %.1f ms", job.layer, job.src, job.dst,
                   record.copy_s * 1e3, record.latency_s * 1e3)
         return record
+
+    def _fail(self, job: _Job, exc: BaseException) -> None:
+        """A copy that failed: the layer keeps serving at its precision, the destination's pages go back, the job
+        and its target are dropped (a later request may try again), and the failure is counted and logged once
+        rather than raised at every step boundary."""
+        dst = self.region(job.layer, job.dst)
+        self.arena.decommit(dst.offset, dst.nbytes)
+        del self._jobs[job.layer]
+        self._target.pop(job.layer, None)
+        self.counters.num_failed_copies += 1
+        self.counters.last_failure = f"layer {job.layer} {job.src}->{job.dst}: {type(exc).__name__}: {exc}"
+        log.error("precision swap failed, layer %d stays %s: %s", job.layer, job.src, self.counters.last_failure)
 
     def wait_copies(self) -> None:
         """Block until every started copy finished (for callers that own the model, e.g. offline to_precision)."""

@@ -281,7 +281,8 @@ class MorphManager:
             return
         report = self._report
         self.metrics.set_state(self.worker, self.counts(), report.kv_blocks,
-                               report.kv_blocks * self._block_size(), report.weights_committed_bytes)
+                               report.kv_blocks * self._block_size(), report.weights_committed_bytes,
+                               report.counters.num_failed_copies)
 
     def _block_size(self) -> int:
         return self.engine.scheduler.block_size if self.engine is not None else 0
@@ -320,6 +321,8 @@ class MorphManager:
             "headroom_bytes": report.headroom_bytes,
             "swaps": dict(counters.num_swaps),
             "num_swaps": num_swaps,
+            "num_failed_copies": counters.num_failed_copies,
+            "last_failed_copy": counters.last_failure,
             "swap_copy_s_total": round(counters.total_copy_s, 6),
             "swap_latency_s_mean": round(counters.total_latency_s / num_swaps, 6) if num_swaps else None,
             "last_swap": None if last is None else {

@@ -26,6 +26,8 @@ class MorphMetrics:
                                    ["worker", "dst"], buckets=SWAP_LATENCY_BUCKETS, registry=r)
         self.decisions = Counter("elastic_hf_morph_decisions", "Controller decisions", ["worker", "kind"],
                                  registry=r)
+        self.failed_copies = Gauge("elastic_hf_morph_failed_copies", "Swap copies that failed since start (the "
+                                   "layer stayed at its precision, the slot was released)", ["worker"], registry=r)
         self.host_store_bytes = Gauge("elastic_hf_morph_host_store_bytes", "Layer variants held in host memory",
                                       ["worker", "precision"], registry=r)
 
@@ -39,8 +41,9 @@ class MorphMetrics:
         self.decisions.labels(worker=str(worker), kind=kind).inc()
 
     def set_state(self, worker: int, counts: dict[str, int], kv_blocks: int, kv_tokens: int,
-                  weights_bytes: int) -> None:
+                  weights_bytes: int, failed_copies: int = 0) -> None:
         w = str(worker)
+        self.failed_copies.labels(worker=w).set(failed_copies)
         for precision, n in counts.items():
             self.layers.labels(worker=w, precision=precision).set(n)
         self.kv_capacity_blocks.labels(worker=w).set(kv_blocks)

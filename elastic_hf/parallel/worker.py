@@ -24,6 +24,7 @@ from elastic_hf.morph.executor import MorphExecutor, prepare_layer_store
 from elastic_hf.model.stage import StageSpec
 from elastic_hf.parallel.groups import ProcessGroups
 from elastic_hf.parallel.pipeline import StageLinks, run_pipeline_step
+from elastic_hf.parallel.rendezvous import join_store, pin_collectives_to_loopback
 from elastic_hf.parallel.shard_transform import ShardedWeights
 from elastic_hf.parallel.weight_store import SharedWeightStore
 from elastic_hf.parallel.worker_exchange import KVExchangeParticipant
@@ -46,10 +47,10 @@ def rss_anon_bytes() -> int:
 
 class Worker:
     def __init__(self, config: EngineConfig, checkpoint_dir: str, *, worker_id: int = 0, model_id: str = "",
-                 store: SharedWeightStore | None = None, master_port: int | None = None,
-                 master_addr: str = "127.0.0.1"):
-        """A deployment worker (config.num_workers > 1) joins the torch.distributed world at master_addr:port and
-        shards its weights with ShardedWeights from the shared host `store`; a single worker places them whole."""
+                 store: SharedWeightStore | None = None, rendezvous: tuple[int, str] | None = None):
+        """A deployment worker (config.num_workers > 1) joins the torch.distributed world of `rendezvous` (the
+        loopback store's port and the world's key prefix: parallel/rendezvous.py) and shards its weights with
+        ShardedWeights from the shared host `store`; a single worker places them whole."""
         if not 0 <= worker_id < config.num_workers:
             raise ValueError(f"worker_id must be in [0, {config.num_workers}), got {worker_id}")
         self.config = config
@@ -59,16 +60,15 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.topology = Topology(config.topology)
-        self.master_addr, self.master_port = master_addr, master_port
         loaded = load_model(checkpoint_dir, config.dtype, self.device, config.trust_remote_code)
         loaded.adapter.for_workers(config.num_workers)
         self.loaded = loaded
         self.degrees = allowed_tp_degrees(config.num_workers, loaded.num_kv_heads)
         self.groups: ProcessGroups | None = None
         if self.is_sharded:
-            if store is None or master_port is None:
-                raise ValueError("a deployment worker needs the shared weight store and the rendezvous port")
-            self._join_world(master_port)
+            if store is None or rendezvous is None:
+                raise ValueError("a deployment worker needs the shared weight store and the rendezvous")
+            self._join_world(rendezvous)
         layer_store = None
         if config.morph.enabled:
             # Variants are built from the plain model, before its weights move into the arena.
@@ -92,14 +92,15 @@ class Worker:
         self.apply_stage()
 
     # ------------------------------------------------------------------ assembly helpers
-    def _join_world(self, master_port: int) -> None:
+    def _join_world(self, rendezvous: tuple[int, str]) -> None:
         import torch.distributed as dist
 
+        pin_collectives_to_loopback()
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{self.master_addr}:{master_port}", rank=self.me,
+        port, prefix = rendezvous
+        dist.init_process_group(backend, store=join_store(port, prefix, self.config.start_timeout_s), rank=self.me,
                                 world_size=self.config.num_workers,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        self.master_port = master_port
         self.groups = ProcessGroups(candidate_topologies(self.config.num_workers, self.degrees, with_standby=True),
                                     backend)
 
@@ -263,14 +264,14 @@ class Worker:
             report["layer_store"] = self.morph.store.report()
         return report
 
-    def rejoin(self, master_port: int) -> None:
+    def rejoin(self, rendezvous: tuple[int, str]) -> None:
         """After a peer died: leave the broken world and join the new one with its replacement, rebuilding every
         candidate topology's group (the same collective order as at start)."""
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-        self._join_world(master_port)
+        self._join_world(rendezvous)
         role = self.groups.for_topology(self.topology, self.me)
         if role is not None:
             self.weights.set_group(role[0])

@@ -8,7 +8,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ import torch
 
 from elastic_hf.config import EngineConfig
 from elastic_hf.parallel.executor import Executor, resolve_method, rpc_name
+from elastic_hf.parallel.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +81,6 @@ def worker_context():
     return _context
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _encode(result):
     # Logits cross the pipe as numpy: pickling a torch tensor through a spawn-context pipe would move it to shared
     # memory first, a much slower path for a per-step result. A tuple (logits, stats) is encoded item by item.
@@ -105,7 +99,7 @@ def _decode(payload):
 
 
 def worker_main(conn, config: EngineConfig, checkpoint_dir: str, worker_id: int, model_id: str, store,
-                master_port: int) -> None:
+                rendezvous: tuple[int, str]) -> None:
     """Process entry: build the Worker, then serve `call(method, *args)` requests until 'shutdown' or EOF."""
     logging.basicConfig(level=os.environ.get("ELASTIC_HF_WORKER_LOG", "WARNING"))
     # Ctrl+C in a terminal signals the whole process group: the driver decides (a server drains first, a script
@@ -121,7 +115,7 @@ def worker_main(conn, config: EngineConfig, checkpoint_dir: str, worker_id: int,
     hf_logging.disable_progress_bar()
     try:
         worker = worker_class(config)(config, checkpoint_dir, worker_id=worker_id, model_id=model_id, store=store,
-                        master_port=master_port)
+                                      rendezvous=rendezvous)
     except BaseException as exc:  # report the start failure instead of leaving the driver waiting
         conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
@@ -144,6 +138,7 @@ def worker_main(conn, config: EngineConfig, checkpoint_dir: str, worker_id: int,
 class MultiprocessExecutor(Executor):
     """One process per worker (from worker_context()), a pipe to each. `collective_rpc` sends to every worker first
     and then collects, so the ranks of one instance run a step concurrently."""
+    rendezvous: Rendezvous | None = None
 
     def __init__(self, config: EngineConfig, checkpoint_dir: str, model_id: str, store):
         self.config = config
@@ -153,10 +148,11 @@ class MultiprocessExecutor(Executor):
         self.num_workers = config.num_workers
         self.crosses_processes = True
         self._procs, self._conns = [], []
-        port = _free_port()
+        self.rendezvous = Rendezvous(config.start_timeout_s)
+        world = self.rendezvous.new_world()
         try:
             for worker_id in range(self.num_workers):
-                proc, conn = self._spawn(worker_id, port)
+                proc, conn = self._spawn(worker_id, world)
                 self._procs.append(proc)
                 self._conns.append(conn)
             for worker_id in range(self.num_workers):
@@ -167,12 +163,12 @@ class MultiprocessExecutor(Executor):
         # Instances step concurrently: one thread each, every one waiting on its workers' pipes.
         self.step_threads = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="elastic-hf-instance")
 
-    def _spawn(self, worker_id: int, port: int, config: EngineConfig | None = None):
+    def _spawn(self, worker_id: int, world: tuple[int, str], config: EngineConfig | None = None):
         ctx = worker_context()
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker_main, daemon=True, name=f"elastic-hf-worker-{worker_id}",
                            args=(child, config or self.config, self.checkpoint_dir, worker_id, self.model_id,
-                                 self.store, port))
+                                 self.store, world))
         proc.start()
         child.close()
         return proc, parent
@@ -221,13 +217,13 @@ class MultiprocessExecutor(Executor):
         """Replace dead worker processes: the survivors leave the broken torch.distributed world and form a new one
         with the replacements, which load their shard of the current `topology` from the shared host store."""
         config = dataclasses.replace(self.config, topology=topology)
-        port = _free_port()
+        world = self.rendezvous.new_world()
         survivors = [w for w in range(self.num_workers) if w not in dead]
         for w in survivors:
-            self._conns[w].send(("rejoin", (port,)))
+            self._conns[w].send(("rejoin", (world,)))
         for w in dead:
             self._conns[w].close()
-            self._procs[w], self._conns[w] = self._spawn(w, port, config)
+            self._procs[w], self._conns[w] = self._spawn(w, world, config)
         for w in dead:
             self._receive(w, "start", timeout=self.config.start_timeout_s)
         for w in survivors:
@@ -254,3 +250,6 @@ class MultiprocessExecutor(Executor):
         if self.step_threads is not None:
             self.step_threads.shutdown(wait=False)
             self.step_threads = None
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+            self.rendezvous = None

@@ -29,6 +29,8 @@ async def parse(request: Request, model: type[p.SamplingRequest], names: tuple[s
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json")
+    except RecursionError:   # JSON nested deeper than Python's parser recurses (a 1 MiB body can nest 500k deep)
+        raise APIError(400, "request body is not valid JSON: it nests too deeply", code="invalid_json")
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
     try:

@@ -146,6 +146,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-stop-string-chars", type=int, default=None,
                         help="longest stop string in characters; longer is a 400 (default: engine default, 1024)"
                         + _OWN_DEFAULT)
+    parser.add_argument("--max-stop-token-ids", type=int, default=None,
+                        help="most stop_token_ids one request may give; more is a 400 (default: engine default, "
+                             "1024)" + _OWN_DEFAULT)
+    parser.add_argument("--max-request-output-cost", type=int, default=None,
+                        help="largest n x max_tokens x (1 + logprobs) of one request; more is a 400 (default: "
+                             "engine default, 4194304)" + _OWN_DEFAULT)
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="queued sequences beyond which new requests get HTTP 503 with Retry-After, so an "
                              "overload never exhausts memory (default: engine default, 1024)" + _OWN_DEFAULT)
@@ -190,7 +196,8 @@ def engine_config(args: argparse.Namespace):
                                                        "enforce_eager", "enable_prefix_caching",
                                                        "prefix_caching_hash_algo", "revision", "download_dir",
                                                        "tokenizer", "hf_token", "trust_remote_code",
-                                                       "generation_config")
+                                                       "generation_config", "max_stop_token_ids",
+                                                       "max_request_output_cost")
                if getattr(args, name) is not None}
     return EngineConfig(model=args.model, num_workers=args.workers, topology=topology,
                         tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)

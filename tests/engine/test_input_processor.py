@@ -47,3 +47,34 @@ def test_bad_input_names_the_field_and_the_numbers(processor, prompt, params, me
     with pytest.raises(InvalidRequest, match=message) as info:
         processor.process(prompt, params)
     assert info.value.param == param
+
+
+def test_request_cost_limits_name_the_numbers():
+    processor = InputProcessor(CountingTokenizer(), vocab_size=100, max_model_len=1 << 20, max_stop_token_ids=3,
+                               max_request_output_cost=1000)
+    with pytest.raises(InvalidRequest, match="at most 3 stop_token_ids are allowed, got 4"):
+        processor.process([1, 2], SamplingParams(max_tokens=1, stop_token_ids=[5, 6, 7, 8]))
+    with pytest.raises(InvalidRequest, match=r"n=4 x max_tokens=50 x \(1 \+ logprobs=5\) = 1200 exceeds .* 1000"):
+        processor.process([1, 2], SamplingParams(max_tokens=50, n=4, logprobs=5))
+    processor.process([1, 2], SamplingParams(max_tokens=50, n=4, logprobs=4))   # 1000: at the limit, accepted
+
+
+def test_a_template_that_raises_is_an_invalid_request():
+    """Chat templates refuse roles they lack with raise_exception (a jinja2 TemplateError): a 400, not a 500."""
+    import jinja2
+
+    class Refusing(CountingTokenizer):
+        def apply_chat_template(self, messages, **kwargs):
+            raise jinja2.exceptions.TemplateError("System role not supported")
+
+    with pytest.raises(InvalidRequest, match="the chat template refused this conversation: System role"):
+        InputProcessor(Refusing(), vocab_size=100, max_model_len=32).render_chat([{"role": "system",
+                                                                                   "content": "x"}])
+
+
+@pytest.mark.parametrize("field, value", [("temperature", float("nan")), ("top_p", float("nan")),
+                                          ("repetition_penalty", float("inf")), ("temperature", float("inf"))])
+def test_non_finite_sampling_values_are_refused(field, value):
+    with pytest.raises(InvalidRequest, match=f"{field} must be a finite number"):
+        SamplingParams(**{field: value})
+    assert SamplingParams(temperature=3.7e-227).is_greedy   # below 1e-5: greedy, never a division overflow

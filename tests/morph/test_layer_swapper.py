@@ -100,6 +100,51 @@ def test_a_layer_switches_only_at_a_boundary_after_its_copy(model):
         model.morph.to_precision("all", "fp")
 
 
+class FailingCopier:
+    """A copier whose copies fail (a device error, a bad image): what the copy thread raises."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def submit(self, dst, src):
+        from concurrent.futures import Future
+
+        from elastic_hf.morph.copier import CopyHandle
+
+        future = Future()
+        future.set_exception(RuntimeError("copy failed: injected"))
+        handle = CopyHandle(future=future)
+        handle.nbytes = src.numel()
+        return handle
+
+    def sync_compute(self):
+        self.inner.sync_compute()
+
+
+def test_a_failed_copy_is_cleared_once_and_gives_its_slot_back(model):
+    """It was re-raised at every step boundary forever; now the layer stays, the slot's pages go back, the
+    failure is counted, and the next request for the layer works."""
+    swapper = model.worker.morph.swapper
+    placement = model.worker.weights.placement
+    arena = model.worker.weights.arena
+    weights_before = model.worker.budget.used_bytes("weights")
+    inner = swapper.copier
+    swapper.copier = FailingCopier(inner)
+    try:
+        swapper.request(1, "w4")
+        swapper.poll()                                   # started (slot committed), failed at once
+        assert swapper.poll() == [] and swapper.poll() == []   # cleared once: never raised again
+        assert swapper.precision[1] == "fp" and not swapper.busy and swapper.pending_layers() == []
+        assert not arena.is_committed(placement.slots[1]["w4"].offset, placement.slots[1]["w4"].nbytes)
+        assert model.worker.budget.used_bytes("weights") == weights_before
+        assert swapper.counters.num_failed_copies == 1 and "injected" in swapper.counters.last_failure
+    finally:
+        swapper.copier = inner
+    state = model.morph.to_precision(1, "w4")   # a later request for the layer works
+    assert state["layer_counts"]["w4"] == 1 and state["num_failed_copies"] == 1
+    model.morph.to_precision("all", "fp")
+
+
 def test_restore_waits_for_live_kv_blocks(tiny_checkpoint):
     model = tiny_morph_model(tiny_checkpoint("llama"), kv_cache_memory=160 << 10)
     original = snapshot(model)

@@ -56,6 +56,15 @@ def _bad_cases(model_id: str, max_body_bytes: int):
         ("presence penalty", "/v1/completions", {**ok, "presence_penalty": 0.5}, 400, ["presence_penalty"]),
         ("oversize body", "/v1/completions", {**ok, "prompt": "x" * (max_body_bytes + 10)}, 413,
          [str(max_body_bytes)]),
+        # request-cost limits and values that would overflow in a step (the second hardening issue, item 7)
+        ("NaN temperature", "/v1/completions",
+         f'{{"model": "{model_id}", "prompt": "Hi", "temperature": NaN}}'.encode(), 400, ["temperature", "finite"]),
+        ("infinite repetition penalty", "/v1/chat/completions",
+         json.dumps({**chat, "repetition_penalty": float("inf")}).encode(), 400, ["repetition_penalty", "finite"]),
+        ("too many stop token ids", "/v1/completions", {**ok, "stop_token_ids": list(range(2000))}, 400,
+         ["1024 stop_token_ids", "2000"]),
+        ("deeply nested json", "/v1/completions",
+         b'{"model": "x", "prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", 400, ["nests too deeply"]),
     ]
 
 
@@ -125,6 +134,15 @@ def test_bad_input_4xx_while_streams_finish(tiny_server):
         assert result["text"].startswith(tiny_server.reference[prompt]), "an in-flight stream got wrong text"
     stats = tiny_server.wait_idle()
     assert stats["kv_blocks_used"] == 0, stats
+
+
+def test_a_vanishing_temperature_is_greedy(tiny_server):
+    """3.7e-227 divided into the logits overflowed to inf and failed the step with a 500 (found by fuzzing): below
+    vLLM's 1e-5 a temperature is greedy."""
+    body = {"model": tiny_server.model_id, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 3.7e-227}
+    resp = httpx.post(tiny_server.base_url + "/v1/completions", json=body, headers=tiny_server.headers, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == tiny_server.reference[PROMPTS[0]]
 
 
 def _abort_count(server) -> float:
