@@ -33,7 +33,7 @@ SLOW_PREFIXES = (
     "tests/parallel/test_pipeline.py", "tests/parallel/test_param_drop.py", "tests/parallel/test_tp_greedy.py",
     "tests/parallel/test_reshape.py", "tests/parallel/test_deployment_morph.py",
     "tests/parallel/test_lookahead_pipeline.py", "tests/parallel/test_prefix_cache_elastic.py",
-    "tests/parallel/test_rendezvous.py",
+    "tests/parallel/test_rendezvous.py", "tests/test_cache_trust.py::test_a_cached_kernel",
     "tests/parallel/test_architectures_elastic.py::test_decoding", "tests/serving/test_cli.py",
     "tests/serving/test_serve_flags.py", "tests/serving/test_admin_reshape.py",
     "tests/serving/test_admin_drop.py", "tests/serving/test_auth.py",

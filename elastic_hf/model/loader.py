@@ -11,8 +11,6 @@ names none), float16 on a CPU becoming bfloat16 as vLLM's CPU backend does; for 
 float dtype, bfloat16 where the device computes it natively and float32 elsewhere (config.auto_dtype)."""
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import os
 import shutil
@@ -22,7 +20,8 @@ from pathlib import Path
 import torch
 
 from elastic_hf.model.default_model import DEFAULT_MODEL_ID, default_gguf_path
-from elastic_hf.paths import cache_root
+from elastic_hf.paths import (file_content_key, private_temp_dir, publish_dir, sweep_stale_temps,
+                              trusted_cache_dir)
 
 log = logging.getLogger(__name__)
 
@@ -49,31 +48,32 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 
 def _gguf_cache_dir(gguf_path: Path, dtype: torch.dtype) -> Path:
     """Keyed by the file's content (sha256 of its bytes: a reinstall or copy of the same file hits the cache, an
-    edited file misses it) and the dtype."""
-    stat = gguf_path.stat()
-    key = _content_key(str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
-    return cache_root() / "gguf" / f"{gguf_path.stem}-{key}-{str(dtype).removeprefix('torch.')}"
-
-
-@functools.lru_cache(maxsize=64)
-def _content_key(path: str, size: int, mtime_ns: int, inode: int) -> str:
-    """sha256 of the file's bytes, hashed once per process for a file that did not change since (~0.1 s for the
-    default model's 100 MB; the stat only decides when to hash again, never the key)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    edited file misses it) and the dtype, in the private cache (paths.trusted_cache_dir)."""
+    return trusted_cache_dir("gguf") / f"{gguf_path.stem}-{file_content_key(gguf_path)}-" \
+                                       f"{str(dtype).removeprefix('torch.')}"
 
 
 def convert_gguf(gguf_path: Path, dtype: torch.dtype = torch.float32) -> Path:
     """De-quantize a GGUF file into a cached safetensors checkpoint in `dtype`; returns its directory. transformers
     de-quantizes one tensor at a time and casts it at once, so the peak is the model in `dtype` plus one tensor in
     fp32 (tests/model/test_loading.py measures it)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out_dir = _gguf_cache_dir(gguf_path, dtype)
     if (out_dir / "model.safetensors").exists() and (out_dir / "config.json").exists():
         return out_dir
     log.info("converting %s to a %s safetensors checkpoint in %s (once)", gguf_path, dtype, out_dir)
-    tmp_dir = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    sweep_stale_temps(out_dir.parent)   # what a crashed conversion left
+    tmp_dir = private_temp_dir(out_dir.parent, out_dir.name)
+    try:
+        _convert_into(gguf_path, dtype, tmp_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return publish_dir(tmp_dir, out_dir)   # a concurrent start that finished first keeps its copy
+
+
+def _convert_into(gguf_path: Path, dtype: torch.dtype, tmp_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype)
     # The de-quantized weights are plain tensors now; drop the gguf marker so save_pretrained accepts the model.
@@ -81,11 +81,6 @@ def convert_gguf(gguf_path: Path, dtype: torch.dtype = torch.float32) -> Path:
     model.hf_quantizer = None
     model.save_pretrained(tmp_dir)
     tokenizer.save_pretrained(tmp_dir)
-    if out_dir.exists():  # another process finished the same conversion first: keep its copy
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    else:
-        tmp_dir.rename(out_dir)
-    return out_dir
 
 
 def resolve_model(name_or_path: str | os.PathLike | None, *, dtype: str = "auto", device: str = "cpu",

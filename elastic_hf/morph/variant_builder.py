@@ -23,7 +23,7 @@ from elastic_hf.layers.awq import AwqConfig
 from elastic_hf.layers.quant_scheme import QuantScheme
 from elastic_hf.layers.quantize_layer import (calibrate_and_quantize, decoder_layer_kwargs, load_layer_variant,
                                               save_layer_variant)
-from elastic_hf.paths import cache_root
+from elastic_hf.paths import file_content_key, private_temp_dir, sweep_stale_temps, trusted_cache_dir
 from elastic_hf.profiling.calibration import calibration_batch, read_text
 from elastic_hf.profiling.profile_format import config_hash
 
@@ -37,23 +37,22 @@ def variant_scheme(config: MorphConfig, precision: str) -> QuantScheme:
 
 
 def checkpoint_fingerprint(checkpoint_dir: Path, hf_config) -> str:
-    """Names, sizes and mtimes of the weight files plus the config hash: cheap, and changes when the weights do."""
-    h = hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode())
+    """The weight files' contents (sha256 of their bytes, hashed once per process: paths.file_content_key) plus the
+    config hash: a file replaced with one of the same size and mtime does not serve stale variants."""
+    h = hashlib.sha256()
     for path in sorted(Path(checkpoint_dir).glob("*")):
         if path.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
-            stat = path.stat()
-            h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+            h.update(f"{path.name}:{file_content_key(path)}".encode())
     h.update(config_hash(hf_config).encode())
     return h.hexdigest()[:16]
 
 
 def _file_digest(path: str) -> str:
-    stat = Path(path).stat()
-    return hashlib.sha256(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return file_content_key(path)[:12]
 
 
 def variant_dir(config: MorphConfig, precision: str, checkpoint_dir: Path, hf_config) -> Path:
-    root = Path(config.cache_dir) if config.cache_dir else cache_root() / "morph-variants"
+    root = Path(config.cache_dir) if config.cache_dir else trusted_cache_dir("morph-variants")
     name = variant_scheme(config, precision).name
     if config.method == "awq":
         name += f"-{_file_digest(config.calib_path)}-n{config.calib_samples}x{config.calib_seq_len}"
@@ -118,10 +117,12 @@ def _save_cached(directory: Path, variants: list[nn.Module], model_id: str) -> N
     """Write into a private temporary directory and rename it into place, so a concurrent reader (TP workers build
     at once) never sees half a cache entry. An entry already there is stale (it failed to load) or was just
     written by another process: either way it is replaced, and no temporary directory is left behind."""
-    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
     stale = directory.with_name(directory.name + f".stale{os.getpid()}")
+    tmp = None
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        sweep_stale_temps(directory.parent)
+        tmp = private_temp_dir(directory.parent, directory.name)
         for i, variant in enumerate(variants):
             save_layer_variant(tmp / f"layer-{i:03d}.safetensors", variant, i, model_id)
         if directory.exists():
@@ -131,7 +132,8 @@ def _save_cached(directory: Path, variants: list[nn.Module], model_id: str) -> N
         log.warning("could not cache layer variants in %s: %s", directory, exc)
     finally:
         for leftover in (tmp, stale):
-            shutil.rmtree(leftover, ignore_errors=True)
+            if leftover is not None:
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def build_variants(model: nn.Module, adapter, layers: nn.ModuleList, config: MorphConfig,

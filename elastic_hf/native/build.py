@@ -23,7 +23,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from elastic_hf.paths import cache_root
+from elastic_hf.paths import is_private, trusted_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,14 @@ def _build(source: Path, compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(text + version.encode() + " ".join(flags + tuple(link)).encode()
                          + _cpu_flags().encode()).hexdigest()
-    out_dir = cache_root() / "native"
+    out_dir = trusted_cache_dir("native")
     target = out_dir / f"{source.stem}-{key[:16]}.so"
     if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
+        if not target.is_symlink() and is_private(target):
+            return target
+        # loading it would run whatever someone else put there: replace it with our own build
+        logger.warning("%s is not this user's private file; rebuilding it", target)
+        target.unlink()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     obj = tmp[:-3] + ".o"

@@ -11,6 +11,8 @@ import hashlib
 from collections.abc import Sequence
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.middleware.trustedhost import TrustedHostMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -18,8 +20,10 @@ from elastic_hf import VERSION
 from elastic_hf.engine.async_engine import AsyncEngine
 from elastic_hf.serving.auth import GuardMiddleware
 from elastic_hf.serving.errors import install_error_handlers
+from elastic_hf.serving import protocol as p
+from elastic_hf.serving.openapi_doc import document_request_bodies
 from elastic_hf.serving.openai_routes import openai_router
-from elastic_hf.serving.utility_routes import utility_router
+from elastic_hf.serving.utility_routes import DetokenizeRequest, TokenizeRequest, utility_router
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # an 8k-token prompt is under 100 KB as text or as token ids
 
@@ -31,13 +35,19 @@ def system_fingerprint(model: str) -> str:
 
 
 def build_app(async_engine: AsyncEngine, *, api_key: str | None = None,
-              model_id: str | Sequence[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              model_id: str | Sequence[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] | None = None,
+              enable_docs: bool = False) -> FastAPI:
     """The app serving `async_engine` as `model_id` (default: the engine's; several names: any of them, the
     first in /health and the metrics). With `api_key`, /v1 routes need `Authorization: Bearer <api_key>`; /health
-    and /metrics stay open for probes and scrapers."""
+    and /metrics stay open for probes and scrapers. allowed_hosts: the Host headers accepted (against DNS
+    rebinding; None: any); allowed_origins: the browser origins CORS lets read responses (None: none);
+    enable_docs: serve /docs, /redoc and /openapi.json (off: they are a map of the API for anyone)."""
     names = (model_id,) if isinstance(model_id, str) else tuple(model_id or ()) or (async_engine.model_id,)
     model_id = names[0]
-    app = FastAPI(title="elastic-hf", description="OpenAI-compatible server over elastic-hf")
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="elastic-hf", description="OpenAI-compatible server over elastic-hf", version=VERSION,
+                  **docs)
     app.state.async_engine = async_engine
     async_engine.metrics.set_model_name(model_id)   # vLLM's series name the served model: dashboards select by it
     install_error_handlers(app)
@@ -59,5 +69,13 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None,
                                      max_model_len=async_engine.max_model_len,
                                      system_fingerprint=system_fingerprint(async_engine.model_id)))
     app.include_router(utility_router(async_engine, names=names, max_model_len=async_engine.max_model_len))
+    document_request_bodies(app, {"/v1/completions": p.CompletionRequest, "/v1/chat/completions":
+                                  p.ChatCompletionRequest, "/tokenize": TokenizeRequest,
+                                  "/detokenize": DetokenizeRequest})
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    if allowed_hosts:   # outermost: a request for another host is refused before anything runs
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
     return app

@@ -19,9 +19,15 @@ def bearer_token_matches(header_value: str, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
+# Routes the API key guards: the OpenAI API, and the utility routes that run the tokenizer and chat template on a
+# caller's input (up to a whole request body of work each). /health, /metrics, /version and /ping stay open for
+# probes and scrapers.
+GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
+
 class GuardMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware, which would hide client disconnects from streaming responses):
-    401 without the bearer key on /v1 routes; 413 for bodies over the limit, checked on Content-Length and again
+    401 without the bearer key on the guarded routes; 413 for bodies over the limit, checked on Content-Length and again
     while a chunked body streams in, so an oversize upload is refused before it is buffered."""
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
@@ -31,7 +37,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers", ()))
-        if self.api_key and scope.get("path", "").startswith("/v1"):
+        if self.api_key and scope.get("path", "").startswith(GUARDED_PREFIXES):
             # HTTP header bytes are latin-1 by definition; Starlette's Request.headers decodes them the same way
             if not bearer_token_matches(headers.get(b"authorization", b"").decode("latin-1"), self.api_key):
                 resp = error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",

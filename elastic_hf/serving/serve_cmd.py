@@ -85,6 +85,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer <key>' on every /v1 route "
                              "(default: $ELASTIC_HF_API_KEY; unset = no auth)" + _OWN_DEFAULT)
+    parser.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                        help="Host header values the server answers, e.g. localhost 127.0.0.1 (others get 400: "
+                             "against DNS rebinding from a browser; default: any)" + _OWN_DEFAULT)
+    parser.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                        help="browser origins allowed to read responses (CORS), e.g. https://app.example.com "
+                             "(default: none)" + _OWN_DEFAULT)
+    parser.add_argument("--enable-docs", action="store_true",
+                        help="serve /docs, /redoc and /openapi.json (the OpenAPI document describes every request "
+                             "body)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20,
                         help="largest accepted request body in bytes; larger bodies get HTTP 413")
     parser.add_argument("--morph", default="off", choices=("off", "manual", "accuracy", "default", "performance"),
@@ -232,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"elastic-hf serve: error: {exc}", file=sys.stderr)
         return 2
     app = build_app(async_engine, api_key=api_key, model_id=args.served_model_name or model.model_id,
-                    max_body_bytes=args.max_body_bytes)
+                    max_body_bytes=args.max_body_bytes, allowed_hosts=args.allowed_hosts,
+                    allowed_origins=args.allowed_origins, enable_docs=args.enable_docs)
     app.include_router(admin_morph_router(model, async_engine, admin_key))
     app.include_router(admin_reshape_router(model, async_engine, admin_key))
     app.include_router(admin_drop_router(model, async_engine, admin_key))

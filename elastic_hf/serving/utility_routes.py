@@ -51,9 +51,12 @@ def utility_router(async_engine, *, names: tuple[str, ...], max_model_len: int) 
     async def version():
         return {"version": VERSION}
 
-    @router.api_route("/ping", methods=["GET", "POST"])
     async def ping():
         return {}
+
+    # one route per method: each gets its own OpenAPI operation id
+    router.add_api_route("/ping", ping, methods=["GET"], operation_id="ping_get")
+    router.add_api_route("/ping", ping, methods=["POST"], operation_id="ping_post")
 
     @router.post("/tokenize")
     async def tokenize(request: Request):

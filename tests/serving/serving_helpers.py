@@ -108,7 +108,7 @@ def _greedy_references(model, prompts, chats) -> tuple[dict, dict]:
 
 
 def start_server(model, *, api_key=None, prompts=(), chats=(), max_body_bytes=64 * 1024, request_timeout=None,
-                 served_model_name=None, admin_key=None):
+                 served_model_name=None, admin_key=None, **app_options):
     """admin_key: also mount /admin/morph, /admin/reshape and the prefix-cache routes behind that key, as
     `elastic-hf serve` does."""
     import uvicorn
@@ -119,7 +119,7 @@ def start_server(model, *, api_key=None, prompts=(), chats=(), max_body_bytes=64
     reference, chat_reference = _greedy_references(model, prompts, chats)
     async_engine = AsyncEngine(model.engine, request_timeout=request_timeout).start()
     served = served_model_name or model.model_id
-    app = build_app(async_engine, api_key=api_key, model_id=served, max_body_bytes=max_body_bytes)
+    app = build_app(async_engine, api_key=api_key, model_id=served, max_body_bytes=max_body_bytes, **app_options)
     if admin_key is not None:
         from elastic_hf.serving.admin_morph import admin_morph_router
         from elastic_hf.serving.admin_reshape import admin_reshape_router

@@ -6,9 +6,18 @@ import pytest
 
 @pytest.fixture(scope="module")
 def client(tiny_server):
-    """httpx against the session's real server (these routes sit outside /v1: no API key, like vLLM's)."""
-    with httpx.Client(base_url=tiny_server.base_url, timeout=30) as http:
+    """httpx against the session's real server, with its API key (/tokenize and /detokenize run the tokenizer on
+    the caller's input: they need it; /version and /ping do not)."""
+    with httpx.Client(base_url=tiny_server.base_url, headers=tiny_server.headers, timeout=30) as http:
         yield http
+
+
+def test_tokenizer_routes_need_the_api_key_and_probes_do_not(tiny_server):
+    with httpx.Client(base_url=tiny_server.base_url, timeout=30) as anonymous:
+        for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1, 2]})):
+            response = anonymous.post(path, json=body)
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        assert anonymous.get("/version").status_code == 200 and anonymous.get("/ping").status_code == 200
 
 
 @pytest.fixture(scope="module")
