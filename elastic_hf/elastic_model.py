@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 
-from elastic_hf.config import EngineConfig, MorphConfig, hf_style_options
+from elastic_hf.config import EngineConfig, MorphConfig
 from elastic_hf.engine.sampling_params import sampling_params_from_generation_config
 from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -327,3 +327,59 @@ class ElasticModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# transformers' from_pretrained keywords elastic-hf takes, with what they become; what it does on purpose instead
+HF_STYLE_KEYWORDS = ("torch_dtype", "device_map", "token", "low_cpu_mem_usage", "use_safetensors")
+_HF_REFUSED = {
+    "attn_implementation": "elastic-hf runs its own paged attention, registered with transformers' "
+                           "AttentionInterface; the attention implementation is not selectable",
+    "quantization_config": "pre-quantized checkpoints (AWQ) are read from their own config.json, and quantizing at "
+                           "run time is precision morphing (morph=...)",
+}
+
+
+def hf_style_options(options: dict) -> dict:
+    """ElasticModel.from_pretrained's keywords as EngineConfig fields: transformers' spellings mapped (torch_dtype
+    -> dtype, device_map -> device, token -> hf_token), those that ask for what elastic-hf does anyway
+    (low_cpu_mem_usage, use_safetensors) accepted when true, the rest refused with what is supported."""
+    options = dict(options)
+    if "torch_dtype" in options:
+        if "dtype" in options:
+            raise ValueError("give dtype or its alias torch_dtype, not both")
+        options["dtype"] = options.pop("torch_dtype")
+    if "device_map" in options:
+        if "device" in options:
+            raise ValueError("give device or device_map, not both")
+        options["device"] = _device_of_map(options.pop("device_map"))
+    if "token" in options:
+        options["hf_token"] = options.pop("token")
+    for name in ("low_cpu_mem_usage", "use_safetensors"):
+        if name in options and not options.pop(name):
+            raise ValueError(f"{name}=False is not supported: elastic-hf always loads safetensors weights "
+                             "straight into its weight arena")
+    for name, why in _HF_REFUSED.items():
+        if name in options:
+            raise ValueError(f"{name} is not supported: {why}")
+    unknown = sorted(set(options) - set(EngineConfig.field_names()))
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(unknown)}; from_pretrained takes the EngineConfig fields "
+                         f"({', '.join(EngineConfig.field_names())}) and transformers' "
+                         f"{', '.join(HF_STYLE_KEYWORDS)}")
+    return options
+
+
+def _device_of_map(device_map) -> str:
+    """transformers' device_map as one device: the whole model on it (a per-module map is model parallelism,
+    which is workers= / topology= here)."""
+    if isinstance(device_map, str) and device_map == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device_map, str) and (device_map in ("cpu", "cuda") or
+                                        (device_map.startswith("cuda:") and device_map[5:].isdigit())):
+        return device_map
+    if isinstance(device_map, int) and not isinstance(device_map, bool):
+        return f"cuda:{device_map}"
+    raise ValueError(f"device_map={device_map!r} is not supported: give 'auto', 'cpu', 'cuda' or 'cuda:N' (the "
+                     "whole model on one device; spread a model over devices with workers= and topology=)")
