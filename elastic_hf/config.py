@@ -171,6 +171,9 @@ class EngineConfig:
     scale_down_load: float = 0.5         # split a merged instance once no long request remains and load is below
     threads_per_worker: int | None = None   # torch threads of a worker process; None: cores / workers
     start_timeout_s: float = 300.0       # how long worker processes may take to load
+    # A worker process that has not answered a step after this many seconds (+ 50 ms a token) counts as hung: it
+    # is ended and replaced, its instance's requests recomputed. None: wait forever.
+    step_timeout_s: float | None = 120.0
     # "package.module.ClassName" mixed into every worker's class (vLLM's --worker-extension-cls): methods it adds
     # are RPC targets of Deployment.collective_rpc / the executor; tests use it for fault drills
     worker_extension_cls: str | None = None
@@ -227,6 +230,8 @@ class EngineConfig:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
         if self.start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0 seconds (or None), got {self.step_timeout_s}")
         if self.worker_extension_cls is not None and (not isinstance(self.worker_extension_cls, str)
                                                       or "." not in self.worker_extension_cls.strip(".")):
             raise ValueError(f"worker_extension_cls must name a class as 'package.module.ClassName', got "
@@ -344,4 +349,3 @@ def load_chat_template(value: str) -> str:
                              f"{getattr(exc, 'strerror', None) or exc}") from None
     # latin-1 + backslashreplace keeps every non-ASCII character intact through unicode_escape
     return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
-

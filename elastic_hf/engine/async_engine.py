@@ -24,14 +24,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from elastic_hf.engine.errors import (EngineDeadError, EngineDraining, EngineError, EngineOverloaded,
-                                      RequestTimedOut)
+from elastic_hf.engine.errors import EngineDeadError, EngineDraining, EngineError, EngineOverloaded, RequestTimedOut
 from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.engine.protocol import EngineCore
 from elastic_hf.engine.request_stream import RequestStream, StreamQueue
 from elastic_hf.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+UNHEALTHY_AFTER_FAILED_STEPS = 3   # failed steps in a row (one is a bad batch; several, a broken worker or kernel)
 
 
 class AsyncEngine:
@@ -50,6 +50,7 @@ class AsyncEngine:
         self._stopping = False
         self._stats: dict = {}
         self._num_step_errors = 0
+        self._consecutive_step_errors = 0   # reset by a step that succeeds
         self._last_error: str | None = None
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
@@ -74,8 +75,7 @@ class AsyncEngine:
 
     @property
     def default_sampling(self) -> dict:
-        """Sampling values of requests that set none, from the model's generation_config.json
-        (model/generation_defaults.py; empty under --generation-config vllm)."""
+        """Values of sampling fields a request leaves unset (model/generation_defaults.py; {} with vllm's)."""
         defaults = getattr(self.engine, "generation_defaults", None)
         return dict(defaults.sampling) if defaults is not None else {}
 
@@ -324,11 +324,14 @@ class AsyncEngine:
             # The batch state is unknown after a failed step: fail every in-flight request (each gets a 500),
             # abort them in the engine so their blocks come back, and keep serving new requests.
             self._num_step_errors += 1
+            self._consecutive_step_errors += 1
             self._last_error = f"{type(exc).__name__}: {exc}"
             log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
             self._fail_all(EngineError(f"engine step failed: {self._last_error}"))
             return
-        if not outputs and self.engine.num_steps == steps_before:
+        if self.engine.num_steps != steps_before:
+            self._consecutive_step_errors = 0
+        elif not outputs:
             # Nothing was schedulable (e.g. every request waits for blocks): wait for a command instead of
             # spinning; the timeout retries in case the engine frees blocks on its own.
             with self._cond:
@@ -389,6 +392,9 @@ class AsyncEngine:
             stats = {"error": str(exc)}
         stats["num_streams"] = len(self._streams)
         stats["num_step_errors"] = self._num_step_errors
-        if self._last_error:
-            stats["last_step_error"] = self._last_error
-        self._stats = stats
+        stats["consecutive_step_errors"] = self._consecutive_step_errors
+        self._stats = stats   # the error text stays in the log: /health, which anyone may read, shows counts only
+
+    @property
+    def healthy(self) -> bool:   # what /health reports
+        return self.is_running and self._consecutive_step_errors < UNHEALTHY_AFTER_FAILED_STEPS

@@ -13,6 +13,8 @@ MAX_LOGPROBS = 20
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-200 overflows to inf and the
 # sampler would see NaN probabilities.
 GREEDY_TEMPERATURE = 1e-5
+# A repetition penalty divides positive logits: below this it overflows them to inf (found by fuzzing: 2.2e-308)
+MIN_REPETITION_PENALTY = 1e-4
 
 
 class RequestOutputKind(enum.Enum):
@@ -67,9 +69,9 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}", param="top_k")
-        if self.repetition_penalty <= 0:
-            raise InvalidRequest(f"repetition_penalty must be > 0 (1 disables), got {self.repetition_penalty}",
-                                 param="repetition_penalty")
+        if self.repetition_penalty < MIN_REPETITION_PENALTY:
+            raise InvalidRequest(f"repetition_penalty must be >= {MIN_REPETITION_PENALTY:g} (1 disables), got "
+                                 f"{self.repetition_penalty}", param="repetition_penalty")
         if not isinstance(self.n, int) or self.n < 1:
             raise InvalidRequest(f"n must be an integer >= 1, got {self.n!r}", param="n")
         if self.seed is not None and not isinstance(self.seed, int):

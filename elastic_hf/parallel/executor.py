@@ -53,10 +53,15 @@ class Executor(ABC):
     # Instances step concurrently on these threads, each waiting on its own workers; None: in the caller's thread.
     step_threads: ThreadPoolExecutor | None = None
 
+    # How long a step may take before its unanswered workers count as hung (step_timeout(num_tokens)); None: wait
+    step_timeout_s: float | None = None
+
     @abstractmethod
-    def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None) -> list:
+    def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None,
+                       timeout: float | None = None) -> list:
         """Run `method(*args)` on every worker of `workers` (default: all) at once; their results in that order.
-        Raises WorkerError (the first failure) after every worker has answered or died."""
+        Raises WorkerError (the first failure) after every worker has answered or died; with `timeout` (seconds),
+        workers that have not answered by then are ended as hung and fail the call too."""
 
     @abstractmethod
     def check_health(self) -> list[int]:
@@ -71,16 +76,23 @@ class Executor(ABC):
         """Stop every worker; idempotent."""
 
     # ------------------------------------------------------------------ the step paths
+    def step_timeout(self, num_tokens: int) -> float | None:
+        """The deadline of a step over `num_tokens` tokens: step_timeout_s plus 50 ms a token (a long prefill on a
+        big model on CPU takes seconds), or None (wait forever)."""
+        return None if self.step_timeout_s is None else self.step_timeout_s + 0.05 * num_tokens
+
     def execute_model(self, workers: tuple[int, ...], inputs: list, sampling: list | None = None):
         """One step of a non-pipelined instance over `workers` (every rank runs it: the all-reduces need them);
         rank 0's logits [num_sampling_seqs, vocab], or its SampledStep when `sampling` is given."""
-        return self.collective_rpc("execute", (inputs, sampling), workers)[0]
+        timeout = self.step_timeout(sum(len(i.token_ids) for i in inputs))
+        return self.collective_rpc("execute", (inputs, sampling), workers, timeout)[0]
 
     def execute_pipeline(self, workers: tuple[int, ...], micro_batches: list[list], sampling: list | None = None
                          ) -> list[tuple]:
         """One step of a pipelined instance: every worker gets all micro-batches; (result, stage stats) per worker,
         the last stage's rank 0 holding the logits (or SampledStep)."""
-        return self.collective_rpc("execute_pipeline", (micro_batches, sampling), workers)
+        timeout = self.step_timeout(sum(len(getattr(i, "token_ids", ())) for batch in micro_batches for i in batch))
+        return self.collective_rpc("execute_pipeline", (micro_batches, sampling), workers, timeout)
 
     # ------------------------------------------------------------------ shorthands
     def call(self, worker: int, method: str | Callable, *args):

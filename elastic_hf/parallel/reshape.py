@@ -249,9 +249,14 @@ def run_reshape(deployment, target, weights_source: str | None = None, allow_pre
     lost = False
     try:
         pool.call_many(workers, "reshape.commit")
-    except WorkerError:
-        if not pool.check_health():
-            raise
+    except WorkerError as exc:
+        # Past the commit point there is no way back: a worker whose commit failed, dead or alive, cannot be trusted
+        # to hold either layout. Those still alive are ended, and every one of them is replaced under the new
+        # topology (its instance's requests recomputed), so all workers agree on one layout.
+        for w in exc.failed_workers:
+            if w not in pool.check_health():
+                log.error("worker %d failed after the commit point (%s): replacing it", w, exc)
+                pool.kill(w)
         lost = True
     deployment.resume(new, plan, placement)
     if lost:

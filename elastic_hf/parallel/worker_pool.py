@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing.connection
 import os
 import signal
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +29,7 @@ class WorkerError(RuntimeError):
         self.worker = worker
         self.method = method
         self.remote_traceback = remote_traceback
+        self.failed_workers = [worker]   # every worker that failed the same collective call (this one first)
 
 
 class InProcessExecutor(Executor):
@@ -38,7 +41,9 @@ class InProcessExecutor(Executor):
         self.num_workers = 1
         self.crosses_processes = False   # results come back as the objects the worker made: no pipe to spare
 
-    def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None) -> list:
+    def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None,
+                       timeout: float | None = None) -> list:
+        # timeout: not applicable, an in-process call cannot be interrupted (and a hang here hangs the caller alike)
         workers = (0,) if workers is None else tuple(workers)
         if any(w != 0 for w in workers):
             raise ValueError(f"workers must be 0 in a single-worker model, got {list(workers)}")
@@ -147,6 +152,7 @@ class MultiprocessExecutor(Executor):
         self.store = store
         self.num_workers = config.num_workers
         self.crosses_processes = True
+        self.step_timeout_s = config.step_timeout_s
         self._procs, self._conns = [], []
         self.rendezvous = Rendezvous(config.start_timeout_s)
         world = self.rendezvous.new_world()
@@ -187,7 +193,8 @@ class MultiprocessExecutor(Executor):
             raise WorkerError(worker, method, result, remote_tb)
         return _decode(result)
 
-    def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None) -> list:
+    def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None,
+                       timeout: float | None = None) -> list:
         method = rpc_name(method)
         workers = range(self.num_workers) if workers is None else tuple(workers)
         sent, errors = [], []
@@ -201,12 +208,26 @@ class MultiprocessExecutor(Executor):
                 errors.append(WorkerError(w, method, f"worker process is gone ({exc}, exit code "
                                                      f"{self._procs[w].exitcode})"))
         results = {}
-        for w in sent:
-            try:
-                results[w] = self._receive(w, method)
-            except WorkerError as exc:
-                errors.append(exc)
+        pending = {self._conns[w]: w for w in sent}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                break
+            for conn in multiprocessing.connection.wait(list(pending), remaining):
+                w = pending.pop(conn)
+                try:
+                    results[w] = self._receive(w, method)
+                except WorkerError as exc:
+                    errors.append(exc)
+        for w in pending.values():
+            # No answer by the deadline: hung (stopped, deadlocked, or waiting in a collective on one that is).
+            # Ended, so the deployment replaces it and recomputes its instance's requests; every worker that
+            # answered was read, so no late answer is left in a pipe to be taken for the next call's.
+            self.kill(w)
+            errors.append(WorkerError(w, method, f"no answer within {timeout:.1f} s: ended as hung, to be replaced"))
         if errors:
+            errors[0].failed_workers = [e.worker for e in errors]
             raise errors[0]
         return [results[w] for w in workers]
 
@@ -231,6 +252,12 @@ class MultiprocessExecutor(Executor):
 
     def pids(self) -> list[int]:
         return [proc.pid for proc in self._procs]
+
+    def kill(self, worker: int) -> None:
+        """End a worker that cannot be trusted any more (it failed after a reshape's commit point); recover()
+        replaces it like any dead worker."""
+        self._procs[worker].kill()
+        self._procs[worker].join(timeout=10)
 
     def shutdown(self) -> None:
         for w, conn in enumerate(self._conns):

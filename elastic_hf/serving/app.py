@@ -57,6 +57,7 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None,
         # 503 while draining too, so load balancers stop sending requests while the ones in flight finish
         stats = async_engine.stats()
         status = "engine not running" if not async_engine.is_running else \
+            "unhealthy: engine steps keep failing" if not async_engine.healthy else \
             "draining" if async_engine.draining else "ok"
         return JSONResponse({"status": status, "model": model_id, **stats},
                             status_code=200 if status == "ok" else 503)
@@ -71,7 +72,7 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None,
     app.include_router(utility_router(async_engine, names=names, max_model_len=async_engine.max_model_len))
     document_request_bodies(app, {"/v1/completions": p.CompletionRequest, "/v1/chat/completions":
                                   p.ChatCompletionRequest, "/tokenize": TokenizeRequest,
-                                  "/detokenize": DetokenizeRequest})
+                                  "/detokenize": DetokenizeRequest}, names)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],

@@ -11,8 +11,10 @@ from pydantic import BaseModel
 REF = "#/components/schemas/{model}"
 
 
-def document_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """bodies: POST path -> the model its handler validates the JSON body with."""
+def document_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]], model_names: tuple[str, ...] = ()
+                            ) -> None:
+    """bodies: POST path -> the model its handler validates the JSON body with. model_names: the served names,
+    the only values a body's `model` field takes (another is a 404)."""
     def openapi() -> dict:
         if app.openapi_schema is not None:
             return app.openapi_schema
@@ -24,6 +26,11 @@ def document_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) ->
                 continue
             schema = model.model_json_schema(ref_template=REF)
             schemas.update(schema.pop("$defs", {}))
+            if model_names and "model" in schema.get("properties", {}):
+                field = schema["properties"]["model"]
+                served = {"type": "string", "enum": list(model_names)}
+                # optional fields (/tokenize's) keep null allowed
+                schema["properties"]["model"] = {"anyOf": [served, {"type": "null"}]} if "anyOf" in field else served
             schemas[model.__name__] = schema
             operation["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": {"$ref": REF.format(model=model.__name__)}}}}

@@ -161,6 +161,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-output-cost", type=int, default=None,
                         help="largest n x max_tokens x (1 + logprobs) of one request; more is a 400 (default: "
                              "engine default, 4194304)" + _OWN_DEFAULT)
+    parser.add_argument("--step-timeout", dest="step_timeout_s", type=float, default=None,
+                        help="seconds (+ 50 ms a token) after which a worker process that has not answered a step "
+                             "counts as hung: it is ended and replaced and its instance's requests recomputed "
+                             "(default: engine default, 120)" + _OWN_DEFAULT)
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="queued sequences beyond which new requests get HTTP 503 with Retry-After, so an "
                              "overload never exhausts memory (default: engine default, 1024)" + _OWN_DEFAULT)
@@ -206,7 +210,7 @@ def engine_config(args: argparse.Namespace):
                                                        "prefix_caching_hash_algo", "revision", "download_dir",
                                                        "tokenizer", "hf_token", "trust_remote_code",
                                                        "generation_config", "max_stop_token_ids",
-                                                       "max_request_output_cost")
+                                                       "max_request_output_cost", "step_timeout_s")
                if getattr(args, name) is not None}
     return EngineConfig(model=args.model, num_workers=args.workers, topology=topology,
                         tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)

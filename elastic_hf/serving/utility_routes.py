@@ -65,8 +65,11 @@ def utility_router(async_engine, *, names: tuple[str, ...], max_model_len: int) 
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            chat = p.ChatCompletionRequest(model=names[0], messages=req.messages,
-                                           add_generation_prompt=req.add_generation_prompt)
+            try:   # the chat route's validation of messages (an empty list, bad roles: 400, found by fuzzing)
+                chat = p.ChatCompletionRequest(model=names[0], messages=req.messages,
+                                               add_generation_prompt=req.add_generation_prompt)
+            except ValidationError as exc:
+                raise validation_error(exc)
             try:
                 tokens = await async_engine.on_input_thread(async_engine.input_processor.render_chat,
                                                             chat.template_messages(), chat.add_generation_prompt)

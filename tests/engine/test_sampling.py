@@ -137,7 +137,8 @@ def test_output_kinds_carry_the_same_completions(tiny, prompts, kind):
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-1), "top_k must be an integer >= 0"),
     (dict(n=0), "n must be an integer >= 1"),
-    (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+    (dict(repetition_penalty=0), "repetition_penalty must be >= 0.0001"),
+    (dict(repetition_penalty=2.2e-308), "repetition_penalty must be >= 0.0001"),
     (dict(output_kind="delta"), "output_kind must be a RequestOutputKind"),
 ])
 def test_bad_sampling_params_fail_clearly(kwargs, message):

@@ -146,6 +146,25 @@ def test_worker_killed_after_commit_is_replaced_with_its_shard(setup):
     dep.reshape([1, 1])
 
 
+@pytest.mark.stress
+def test_a_live_worker_failing_its_commit_is_replaced_so_all_agree_on_the_new_layout(setup):
+    """A non-fatal error after the commit point used to be re-raised with worker 1 possibly on another layout
+    than worker 0; now the failing worker is ended and replaced under the new topology."""
+    dep, prompts, expected, _ = setup
+    ids = _submit(dep, prompts[:4])
+    done = run_steps(dep, ids, {}, num_steps=5)
+    old_pid = dep.pool.call(1, "ping")
+    dep.pool.call(1, "reshape.arm_fault", "committed", False)   # raise, do not die
+    recoveries = dep.num_recoveries
+    report = dep.reshape([2])
+    assert report.committed and str(dep.topology) == "[2]" and dep.num_recoveries == recoveries + 1
+    assert dep.pool.call(1, "ping") != old_pid
+    assert [r["topology"] for r in dep.memory_report()] == ["[2]", "[2]"]
+    run_steps(dep, ids, done)
+    assert [done[r] for r in ids] == expected[:4]
+    dep.reshape([1, 1])
+
+
 def test_elastic_policy_merges_for_a_long_request_and_splits_back(setup):
     dep, prompts, expected, reference = setup
     assert str(dep.topology) == "[1,1]"
