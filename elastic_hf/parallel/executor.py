@@ -76,22 +76,23 @@ class Executor(ABC):
         """Stop every worker; idempotent."""
 
     # ------------------------------------------------------------------ the step paths
-    def step_timeout(self, num_tokens: int) -> float | None:
-        """The deadline of a step over `num_tokens` tokens: step_timeout_s plus 50 ms a token (a long prefill on a
-        big model on CPU takes seconds), or None (wait forever)."""
-        return None if self.step_timeout_s is None else self.step_timeout_s + 0.05 * num_tokens
+    def step_timeout(self, inputs: list) -> float | None:
+        """The deadline of a step over `inputs` (engine/step_plan.SeqStepInput): step_timeout_s plus 50 ms a token
+        (a long prefill on a big model on CPU takes seconds), or None (wait forever)."""
+        if self.step_timeout_s is None:
+            return None
+        return self.step_timeout_s + 0.05 * sum(len(getattr(i, "token_ids", ())) for i in inputs)
 
     def execute_model(self, workers: tuple[int, ...], inputs: list, sampling: list | None = None):
         """One step of a non-pipelined instance over `workers` (every rank runs it: the all-reduces need them);
         rank 0's logits [num_sampling_seqs, vocab], or its SampledStep when `sampling` is given."""
-        timeout = self.step_timeout(sum(len(i.token_ids) for i in inputs))
-        return self.collective_rpc("execute", (inputs, sampling), workers, timeout)[0]
+        return self.collective_rpc("execute", (inputs, sampling), workers, self.step_timeout(inputs))[0]
 
     def execute_pipeline(self, workers: tuple[int, ...], micro_batches: list[list], sampling: list | None = None
                          ) -> list[tuple]:
         """One step of a pipelined instance: every worker gets all micro-batches; (result, stage stats) per worker,
         the last stage's rank 0 holding the logits (or SampledStep)."""
-        timeout = self.step_timeout(sum(len(getattr(i, "token_ids", ())) for batch in micro_batches for i in batch))
+        timeout = self.step_timeout([i for batch in micro_batches for i in batch])
         return self.collective_rpc("execute_pipeline", (micro_batches, sampling), workers, timeout)
 
     # ------------------------------------------------------------------ shorthands

@@ -43,7 +43,7 @@ class _LocalExecutor(Executor):
         self.workers = [_Echo(w) for w in range(num_workers)]
         self.num_workers, self.crosses_processes, self.dead = num_workers, False, []
 
-    def collective_rpc(self, method, args=(), workers=None):
+    def collective_rpc(self, method, args=(), workers=None, timeout=None):
         name = rpc_name(method)
         workers = range(self.num_workers) if workers is None else workers
         return [getattr(self.workers[w], name)(*args) for w in workers]
