@@ -35,7 +35,7 @@ SLOW_PREFIXES = (
     "tests/parallel/test_lookahead_pipeline.py", "tests/parallel/test_prefix_cache_elastic.py",
     "tests/parallel/test_rendezvous.py", "tests/parallel/test_hung_worker.py", "tests/serving/test_fuzz.py",
     "tests/serving/test_browser_guards.py::test_other", "tests/serving/test_browser_guards.py::test_openapi",
-    "tests/serving/test_served_names.py::test_every",
+    "tests/serving/test_served_names.py::test_every", "tests/serving/test_input_flood.py",
     "tests/test_cache_trust.py::test_a_cached_kernel",
     "tests/parallel/test_architectures_elastic.py::test_decoding", "tests/serving/test_cli.py",
     "tests/serving/test_serve_flags.py", "tests/serving/test_admin_reshape.py",

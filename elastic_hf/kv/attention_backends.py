@@ -12,7 +12,7 @@ A backend builds the step's metadata (`build_metadata`: kv/paged_batch.py) and r
 (`forward`, called by the function registered with transformers' AttentionInterface: kv/paged_attention.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,19 +32,17 @@ class LayerAttention:
     windows[i] is layer i's sliding window (None: full attention); softcap: the tanh cap of the scores or None."""
     windows: tuple[int | None, ...] = ()
     softcap: float | None = None
+    # The window that decides who joins the batched decode call, the same for every layer: the smallest (a decode
+    # past it attends alone in every layer); none at all under soft-capping (its exact path). Derived once: the
+    # runner asks for every sequence of every step.
+    decode_window: int | None = field(init=False, default=None)
+    distinct_windows: tuple[int | None, ...] = field(init=False, default=(None,))
 
-    @property
-    def distinct_windows(self) -> tuple[int | None, ...]:
-        return tuple(dict.fromkeys(self.windows)) or (None,)
-
-    @property
-    def decode_window(self) -> int | None:
-        """The window that decides who joins the batched decode call, the same for every layer: the smallest (a
-        decode past it attends alone in every layer); none at all under soft-capping (its exact path)."""
-        if self.softcap is not None:
-            return NO_BATCHED_DECODES
+    def __post_init__(self):
         windows = [w for w in self.windows if w is not None]
-        return min(windows) if windows else None
+        decode = NO_BATCHED_DECODES if self.softcap is not None else (min(windows) if windows else None)
+        object.__setattr__(self, "decode_window", decode)
+        object.__setattr__(self, "distinct_windows", tuple(dict.fromkeys(self.windows)) or (None,))
 
     def is_batched_decode(self, num_computed: int, num_new_tokens: int) -> bool:
         return is_batched_decode(num_computed, num_new_tokens, self.decode_window)
