@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from elastic_hf.engine.errors import InvalidRequest
+from elastic_hf.model.generation_defaults import SAMPLING_FIELDS, GenerationDefaults
 
 # Most alternatives per token a request may ask for (vLLM's default --max-logprobs, OpenAI's top_logprobs limit):
 # every one is a top-k over the vocabulary at every step.
@@ -102,10 +103,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-# transformers GenerationConfig field -> SamplingParams field
-_GENERATION_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
-                      "top_k": "top_k", "repetition_penalty": "repetition_penalty", "num_return_sequences": "n",
-                      "stop_strings": "stop"}
+# transformers GenerationConfig field -> SamplingParams field: generation_config.json's, and per call also these
+_GENERATION_FIELDS = {**SAMPLING_FIELDS, "num_return_sequences": "n", "stop_strings": "stop"}
 # fields a GenerationConfig carries that say nothing about sampling (or that the engine reads elsewhere: EOS)
 _GENERATION_IGNORED = {"do_sample", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version",
                        "_from_model_config", "use_cache", "output_attentions", "output_hidden_states",
@@ -126,7 +125,4 @@ def sampling_params_from_generation_config(generation_config) -> SamplingParams:
         raise ValueError(f"GenerationConfig fields {unsupported} are not supported; supported: "
                          f"{sorted(_GENERATION_FIELDS)} and do_sample")
     values = {ours: diff[theirs] for theirs, ours in _GENERATION_FIELDS.items() if diff.get(theirs) is not None}
-    if not diff.get("do_sample", False):
-        values = {k: v for k, v in values.items() if k in ("max_tokens", "n", "stop")}
-        values["temperature"] = 0.0
-    return SamplingParams(**values)
+    return SamplingParams(**GenerationDefaults(values, bool(diff.get("do_sample", False))).offline())

@@ -79,6 +79,9 @@ def load_awq_model(checkpoint_dir: str | Path, dtype: torch.dtype, attn_implemen
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"AWQ checkpoint {checkpoint_dir} lacks {len(left)} tensors the model needs, e.g. {left[:3]}")
+    # Back on the built model's config: it says what the model is, and patches.get_adapter reads it there (as from
+    # the checkpoint's config) to refuse morphing and sharding. Nothing in HF's forward reads it.
+    model.config.quantization_config = quant
     return model.eval().requires_grad_(False)
 
 

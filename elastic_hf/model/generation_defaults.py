@@ -14,6 +14,8 @@ log = logging.getLogger(__name__)
 # generation_config.json field -> SamplingParams field
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+# the SamplingParams fields a greedy reading (no do_sample) leaves out
+SAMPLE_ONLY = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,10 +24,10 @@ class GenerationDefaults:
     do_sample: bool = False                        # HF generate samples only with do_sample (offline calls follow)
 
     def offline(self) -> dict:
-        """Defaults of ElasticModel.generate/chat without sampling arguments: HF generate's reading, greedy unless
-        the file says do_sample, then its values."""
+        """Defaults of ElasticModel.generate/chat without sampling arguments (and the reading of a GenerationConfig
+        passed to generate): HF generate's, greedy unless do_sample, then every value."""
         if not self.do_sample:
-            return {"temperature": 0.0, **{k: v for k, v in self.sampling.items() if k == "max_tokens"}}
+            return {**{k: v for k, v in self.sampling.items() if k not in SAMPLE_ONLY}, "temperature": 0.0}
         return dict(self.sampling)
 
 

@@ -86,8 +86,6 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype | str, device: tor
                                                         ).eval().requires_grad_(False)
     hf_model.to(device)
     adapter = get_adapter(hf_model.config).located_in(hf_model)
-    if awq is not None:
-        adapter = adapter.prequantized("AWQ")
     layers = adapter.decoder_layers(hf_model)
     adapter = adapter.checked_against(layers[0])
     num_heads, num_kv_heads, head_dim = adapter.head_counts(hf_model.config)

@@ -254,8 +254,8 @@ class MultiprocessExecutor(Executor):
         return [proc.pid for proc in self._procs]
 
     def kill(self, worker: int) -> None:
-        """End a worker that cannot be trusted any more (it failed after a reshape's commit point); recover()
-        replaces it like any dead worker."""
+        """End a worker that cannot be trusted any more (hung past a step's deadline, or failed after a reshape's
+        commit point); recover() replaces it like any dead worker."""
         self._procs[worker].kill()
         self._procs[worker].join(timeout=10)
 

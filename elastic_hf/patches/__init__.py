@@ -29,10 +29,15 @@ def get_adapter(config) -> ArchAdapter:
     model_type = getattr(config, "model_type", None)
     if not model_type:
         raise ValueError("the model config has no model_type: not a Hugging Face checkpoint config")
+    adapter = _ADAPTERS.get(model_type) or _generic_adapter(model_type)
+    # A pre-quantized checkpoint (its config's quantization_config, on the checkpoint's and on the loaded model's
+    # config alike) serves at that precision: no morphing, no sharding.
     quant = getattr(config, "quantization_config", None) or {}
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    if model_type in _ADAPTERS:
-        return _ADAPTERS[model_type].prequantized(str(method).upper()) if method else _ADAPTERS[model_type]
+    return adapter.prequantized(str(method).upper()) if method else adapter
+
+
+def _generic_adapter(model_type: str) -> ArchAdapter:
     if model_type not in _warned:
         _warned.add(model_type)
         log.warning("model type %r has no family entry (tested: %s): serving it with the generic adapter (HF's "
