@@ -7,6 +7,7 @@ Reference outputs are computed with the same engine, synchronously, before the s
 server's greedy output equals the engine's own greedy output" then compares like with like."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -150,6 +151,22 @@ def start_server(model, *, api_key=None, prompts=(), chats=(), max_body_bytes=64
         sock.close()
 
     return handle, stop
+
+
+@contextlib.contextmanager
+def tiny_model_server(checkpoint, *, max_model_len: int = TINY_MAX_MODEL_LEN, kv_cache_memory: int = 16 << 20,
+                      model_options: dict | None = None, **server_options):
+    """A server over its own ElasticModel of `checkpoint` (a module fixture's: `with tiny_model_server(...) as s:
+    yield s`); server_options go to start_server, model_options to from_pretrained."""
+    from elastic_hf import ElasticModel
+
+    model = ElasticModel.from_pretrained(checkpoint, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                                         **(model_options or {}))
+    handle, stop = start_server(model, **server_options)
+    try:
+        yield handle
+    finally:
+        stop()
 
 
 class StreamingClient(threading.Thread):

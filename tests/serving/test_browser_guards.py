@@ -7,19 +7,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from serving_helpers import TINY_MAX_MODEL_LEN, start_server
+from serving_helpers import tiny_model_server
 
 
 @pytest.fixture(scope="module")
 def guarded_server(serving_checkpoint):
-    from elastic_hf import ElasticModel
-
-    model = ElasticModel.from_pretrained(serving_checkpoint, max_model_len=TINY_MAX_MODEL_LEN,
-                                         kv_cache_memory=16 << 20)
-    handle, stop = start_server(model, allowed_hosts=["127.0.0.1", "localhost"],
-                                allowed_origins=["https://app.example.com"], enable_docs=True)
-    yield handle
-    stop()
+    with tiny_model_server(serving_checkpoint, allowed_hosts=["127.0.0.1", "localhost"],
+                           allowed_origins=["https://app.example.com"], enable_docs=True) as handle:
+        yield handle
 
 
 def test_other_hosts_are_refused_and_cors_names_only_allowed_origins(guarded_server):

@@ -12,7 +12,7 @@ import os
 import httpx
 import pytest
 
-from serving_helpers import PROMPTS, start_server
+from serving_helpers import PROMPTS, tiny_model_server
 
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
@@ -29,13 +29,9 @@ _SETTINGS = settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, databas
 
 @pytest.fixture(scope="module")
 def fuzz_server(serving_checkpoint):
-    from elastic_hf import ElasticModel
-
-    model = ElasticModel.from_pretrained(serving_checkpoint, max_model_len=FUZZ_MAX_MODEL_LEN,
-                                         kv_cache_memory=16 << 20, max_num_seqs=16)
-    handle, stop = start_server(model, prompts=PROMPTS[:1], enable_docs=True, max_body_bytes=256 * 1024)
-    yield handle
-    stop()
+    with tiny_model_server(serving_checkpoint, max_model_len=FUZZ_MAX_MODEL_LEN, model_options={"max_num_seqs": 16},
+                           prompts=PROMPTS[:1], enable_docs=True, max_body_bytes=256 * 1024) as handle:
+        yield handle
 
 
 def _record(statuses: collections.Counter, failures: list, what: str, response) -> None:

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from serving_helpers import PROMPTS, TINY_MAX_MODEL_LEN, start_server
+from serving_helpers import PROMPTS, tiny_model_server
 
 FLOOD = 20
 FLOOD_PROMPT = "hello world " * 75_000   # ~900 KB, ~150k tokens: seconds of tokenizer work per request
@@ -20,13 +20,8 @@ FLOOD_PROMPT = "hello world " * 75_000   # ~900 KB, ~150k tokens: seconds of tok
 
 @pytest.fixture(scope="module")
 def big_body_server(serving_checkpoint):
-    from elastic_hf import ElasticModel
-
-    model = ElasticModel.from_pretrained(serving_checkpoint, max_model_len=TINY_MAX_MODEL_LEN,
-                                         kv_cache_memory=16 << 20)
-    handle, stop = start_server(model, max_body_bytes=1 << 20)
-    yield handle
-    stop()
+    with tiny_model_server(serving_checkpoint, max_body_bytes=1 << 20) as handle:
+        yield handle
 
 
 def test_stream_gaps_hold_while_over_long_prompts_are_rejected(big_body_server):

@@ -9,20 +9,15 @@ import httpx
 import openai
 import pytest
 
-from serving_helpers import TINY_MAX_MODEL_LEN, start_server
+from serving_helpers import tiny_model_server
 
 ADMIN_KEY = "cache-admin"
 
 
 @pytest.fixture(scope="module")
 def server(serving_checkpoint):
-    from elastic_hf import ElasticModel
-
-    model = ElasticModel.from_pretrained(serving_checkpoint, max_model_len=TINY_MAX_MODEL_LEN,
-                                         kv_cache_memory=16 << 20)
-    handle, stop = start_server(model, admin_key=ADMIN_KEY)
-    yield handle
-    stop()
+    with tiny_model_server(serving_checkpoint, admin_key=ADMIN_KEY) as handle:
+        yield handle
 
 
 def _client(server):

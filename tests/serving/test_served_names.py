@@ -9,20 +9,15 @@ import argparse
 import openai
 import pytest
 
-from serving_helpers import TINY_MAX_MODEL_LEN, start_server
+from serving_helpers import tiny_model_server
 
 NAMES = ("org/tiny", "tiny-alias")
 
 
 @pytest.fixture(scope="module")
 def aliased_server(serving_checkpoint):
-    from elastic_hf import ElasticModel
-
-    model = ElasticModel.from_pretrained(serving_checkpoint, max_model_len=TINY_MAX_MODEL_LEN,
-                                         kv_cache_memory=16 << 20)
-    handle, stop = start_server(model, served_model_name=NAMES)
-    yield handle
-    stop()
+    with tiny_model_server(serving_checkpoint, served_model_name=NAMES) as handle:
+        yield handle
 
 
 def test_every_served_name_is_listed_and_answered(aliased_server):
