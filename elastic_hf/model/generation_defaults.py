@@ -14,8 +14,9 @@ log = logging.getLogger(__name__)
 # generation_config.json field -> SamplingParams field
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-# the SamplingParams fields a greedy reading (no do_sample) leaves out
-SAMPLE_ONLY = ("temperature", "top_p", "top_k", "repetition_penalty")
+# the SamplingParams fields a greedy reading (no do_sample) leaves out: HF generate's warpers. The repetition
+# penalty is a logits processor HF applies in greedy decoding too, so it stays.
+SAMPLE_ONLY = ("temperature", "top_p", "top_k")
 
 
 @dataclass(frozen=True, slots=True)

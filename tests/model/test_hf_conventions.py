@@ -71,6 +71,9 @@ def test_generate_takes_max_new_tokens_and_a_generation_config(tiny_checkpoint):
     sampled = model.generate(prompt, GenerationConfig(do_sample=True, temperature=5.0, top_k=0,
                                                       max_new_tokens=6, num_return_sequences=3))
     assert len(sampled.outputs) == 3
+    # greedy as HF generate reads it: no warpers, but the repetition penalty applies (a logits processor)
+    greedy_penalised = model._params(GenerationConfig(repetition_penalty=1.3, top_k=5, max_new_tokens=4), {})
+    assert (greedy_penalised.temperature, greedy_penalised.repetition_penalty, greedy_penalised.top_k) == (0.0, 1.3, 0)
     with pytest.raises(ValueError, match=r"GenerationConfig fields \['num_beams'\] are not supported"):
         model.generate(prompt, GenerationConfig(num_beams=4))
     with pytest.raises(ValueError, match="max_tokens or its alias max_new_tokens"):
