@@ -42,6 +42,30 @@ def wikitext_prompts(tokenizer, num_prompts: int, min_tokens: int, max_tokens: i
     return prompts
 
 
+class CallTimer:
+    """Wraps the callables `owner.name` for each (owner, name) given (methods of an object, functions of a module)
+    and sums the seconds spent in them since the last take()."""
+
+    def __init__(self, *targets):
+        self.spent = 0.0
+        for owner, name in targets:
+            if hasattr(owner, name):
+                setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def _timed(self, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent += time.perf_counter() - start
+        return run
+
+    def take(self) -> float:
+        spent, self.spent = self.spent, 0.0
+        return spent
+
+
 def machine_description() -> str:
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads)")

@@ -22,30 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description  # noqa: E402
-
-
-class ExecuteTimer:
-    """Wraps the runner's execute / execute_sampled and sums the seconds spent in them since the last take()."""
-
-    def __init__(self, runner):
-        self.spent = 0.0
-        for name in ("execute", "execute_sampled"):
-            if hasattr(runner, name):
-                setattr(runner, name, self._timed(getattr(runner, name)))
-
-    def _timed(self, fn):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.spent += time.perf_counter() - start
-        return run
-
-    def take(self) -> float:
-        spent, self.spent = self.spent, 0.0
-        return spent
+from common import CallTimer, machine_description  # noqa: E402
 
 
 def engine_python_per_step(model, kind, max_tokens: int, stop: list[str]) -> list[float]:
@@ -53,7 +30,7 @@ def engine_python_per_step(model, kind, max_tokens: int, stop: list[str]) -> lis
     from elastic_hf import SamplingParams
 
     engine = model.deployment.instances[0].engine
-    timer = ExecuteTimer(engine.runner)
+    timer = CallTimer((engine.runner, "execute"), (engine.runner, "execute_sampled"))   # the runner's share
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=stop, output_kind=kind)
     model.deployment.add_request(f"step-python-{kind.value}", "Once upon a time, in a land far away,", params)
     per_step = []

@@ -4,9 +4,10 @@ from importlib.metadata import PackageNotFoundError, version as _package_version
 from elastic_hf.config import EngineConfig, MorphConfig
 from elastic_hf.engine.outputs import CompletionOutput, RequestOutput
 from elastic_hf.engine.sampling_params import RequestOutputKind, SamplingParams
+from elastic_hf.engine.structured_outputs import StructuredOutputsParams
 
-__all__ = ["ElasticModel", "EngineConfig", "MorphConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
-           "CompletionOutput"]
+__all__ = ["ElasticModel", "EngineConfig", "MorphConfig", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutputKind", "RequestOutput", "CompletionOutput"]
 try:
     VERSION = _package_version("elastic-hf")   # one place: pyproject.toml
 except PackageNotFoundError:  # a source tree on sys.path without an install

@@ -36,7 +36,8 @@ class Detokenizer:
         self._decode_new_tokens(seq)
         text = seq.decoded_text
         stop = seq.params.stop
-        if stop:
+        # min_tokens: no stop string ends the output before it has that many tokens (vLLM's reading)
+        if stop and seq.num_output_tokens >= seq.params.min_tokens:
             # Only the tail can hold a new match: search from just before the previously settled text.
             search_from = max(0, settled - max(len(s) for s in stop))
             hits = [(text.find(s, search_from), s) for s in stop]

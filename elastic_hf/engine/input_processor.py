@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from elastic_hf.engine.errors import InvalidRequest
+from elastic_hf.engine.grammar import CompiledGrammar, GrammarCompiler
 from elastic_hf.engine.sampling_params import SamplingParams
 
 
@@ -22,14 +23,18 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    grammar: CompiledGrammar | None = None   # params.structured_outputs compiled: each sequence gets its state
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_stop_strings: int = 64,
-                 max_stop_string_chars: int = 1024, max_stop_token_ids: int = 1024,
-                 max_request_output_cost: int = 1 << 22):
+    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, eos_token_ids: list[int] = (),
+                 max_stop_strings: int = 64, max_stop_string_chars: int = 1024, max_stop_token_ids: int = 1024,
+                 max_request_output_cost: int = 1 << 22, max_bad_words: int = 1024):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        # structured output: compiled here, on the input thread, so the engine thread never waits for it
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, list(eos_token_ids))
+        self.max_bad_words = max_bad_words
         self.max_model_len = max_model_len
         self.max_stop_strings = max_stop_strings
         self.max_stop_string_chars = max_stop_string_chars
@@ -37,10 +42,11 @@ class InputProcessor:
         self.max_request_output_cost = max_request_output_cost
 
     @classmethod
-    def for_config(cls, config, tokenizer, vocab_size: int, max_model_len: int) -> "InputProcessor":
+    def for_config(cls, config, tokenizer, vocab_size: int, max_model_len: int,
+                   eos_token_ids: list[int]) -> "InputProcessor":
         """The limits of an EngineConfig (max_stop_strings, max_stop_string_chars, max_stop_token_ids,
         max_request_output_cost)."""
-        return cls(tokenizer, vocab_size=vocab_size, max_model_len=max_model_len,
+        return cls(tokenizer, vocab_size=vocab_size, max_model_len=max_model_len, eos_token_ids=eos_token_ids,
                    max_stop_strings=config.max_stop_strings, max_stop_string_chars=config.max_stop_string_chars,
                    max_stop_token_ids=config.max_stop_token_ids,
                    max_request_output_cost=config.max_request_output_cost)
@@ -50,16 +56,25 @@ class InputProcessor:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation through the model's chat template; ValueError for content it cannot take
-        (also when the template refuses it with raise_exception, as chat templates do for roles they lack)."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a conversation through the model's chat template, given `tools` (OpenAI's function
+        definitions) and extra template variables (chat_template_kwargs, e.g. enable_thinking); ValueError for
+        content it cannot take (also when the template refuses it with raise_exception, as chat templates do for
+        roles they lack)."""
         import jinja2
 
+        extra = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, return_dict=False)
+                                                     tokenize=True, return_dict=False, **extra)
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"the chat template refused this conversation: {exc}", param="messages") from None
+        except TypeError as exc:   # e.g. None content concatenated by a template that expects text
+            raise InvalidRequest(f"the chat template could not render this conversation: {exc}",
+                                 param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some tokenizers return a BatchEncoding regardless
             ids = ids["input_ids"]
         return list(ids)
@@ -70,7 +85,30 @@ class InputProcessor:
         self.check_prompt(prompt_ids, params)
         self.check_stop_strings(params)
         self.check_request_cost(params)
-        return EngineRequest(request_id, prompt_ids, params, time.time() if arrival_time is None else arrival_time)
+        self.check_token_ids(params)
+        self.tokenize_bad_words(params)
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        return EngineRequest(request_id, prompt_ids, params, time.time() if arrival_time is None else arrival_time,
+                             grammar)
+
+    def check_token_ids(self, params: SamplingParams) -> None:
+        for name, ids in params.token_ids_to_check().items():
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"{name}: token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param=name)
+
+    def tokenize_bad_words(self, params: SamplingParams) -> None:
+        """Each bad word as the token sequences it can appear as: alone and after a space (vLLM's reading)."""
+        if len(params.bad_words) > self.max_bad_words:
+            raise InvalidRequest(f"at most {self.max_bad_words} bad_words are allowed, got {len(params.bad_words)}",
+                                 param="bad_words")
+        sequences = set()
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids:
+                    sequences.add(tuple(ids))
+        params.bad_words_token_ids = [list(ids) for ids in sorted(sequences)]
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         num_prompt = len(prompt_ids)

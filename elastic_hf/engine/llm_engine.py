@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from elastic_hf.engine.errors import InvalidRequest
+from elastic_hf.engine.grammar import fill_bitmasks
 from elastic_hf.engine.input_processor import EngineRequest, InputProcessor
 from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.output_processor import OutputProcessor
@@ -83,7 +84,8 @@ class LLMEngine:
                 for i in range(params.n)]
         fallback_seed = next(self._request_seeds) if self._request_seeds is not None else None
         for seq in seqs:
-            seq.sampler_state = make_sampler_state(seq, fallback_seed)
+            seq.sampler_state = make_sampler_state(seq, fallback_seed, sorted(self.eos_token_ids))
+            seq.grammar = request.grammar.state() if request.grammar is not None else None
             self.scheduler.add(seq)
         self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, now,
                                             # nothing predicts the first prompt token
@@ -141,14 +143,22 @@ class LLMEngine:
                                s.seq.num_computed_tokens, s.seq.block_ids, s.completes_prompt,
                                self._wants_prompt_logits(s)) for s in scheduled]
         seqs = scheduler_output.sampling_seqs   # the step's sampling rows, in order
+        constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+        bitmask = fill_bitmasks([seqs[row].grammar for row in constrained]) if constrained else None   # [n, W]
         remote = self._sampling_runner(inputs, seqs)
         if remote is not None:   # sampled where the logits are; only token ids come back
-            tokens, failures = adopt_sampled(remote(inputs, [RemoteSampling.of(seq) for seq in seqs]), seqs)
+            row_masks = dict(zip(constrained, bitmask.numpy())) if constrained else {}
+            sampling = [RemoteSampling.of(seq, row_masks[row].tobytes() if row in row_masks else None)
+                        for row, seq in enumerate(seqs)]
+            tokens, failures = adopt_sampled(remote(inputs, sampling), seqs)
             return ModelRunnerOutput(tokens, failures)
         logits = self.runner.execute(inputs)  # [rows, vocab]: see Runner.execute
         if any(i.all_logits for i in inputs):
             logits = self._take_prompt_logprobs(scheduled, inputs, logits)  # -> [num_sampling, vocab]
-        tokens, raised = sample(logits, seqs) if seqs else ([], {})
+        masks = (constrained, bitmask) if constrained else None
+        # log-probabilities are of the raw distribution, before the grammar's mask (vLLM's default)
+        raw_needed = constrained and any(seqs[row].params.logprobs is not None for row in constrained)
+        tokens, raised = sample(logits.clone() if raw_needed else logits, seqs, masks) if seqs else ([], {})
         failures = {row: f"{type(exc).__name__}: {exc}" for row, exc in raised.items()}
         return ModelRunnerOutput(tokens, failures, self._sampled_logprobs(logits, seqs, tokens, failures))
 
@@ -172,6 +182,11 @@ class LLMEngine:
                 continue
             request = self.requests[seq.request_id]
             self.metrics.on_generation_tokens(1)
+            if seq.grammar is not None and not seq.grammar.consume(token):
+                self._fail_request(request, f"structured output: token {token} broke the constraint "
+                                            f"({seq.grammar.error()})")
+                touched[request.request_id] = request
+                continue
             reason = self.output_processor.finish_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)

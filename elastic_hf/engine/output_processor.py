@@ -33,6 +33,8 @@ class OutputProcessor:
         stopped_by_string = self.detokenizer.update(seq)
         if reason is None and stopped_by_string:
             reason = "stop"
+        if reason is None and seq.grammar is not None and seq.grammar.is_stopped():
+            reason = "stop"   # the structured output is complete: nothing but EOS could follow
         if reason is None and (seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
         if reason is not None and not stopped_by_string:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from elastic_hf.engine.errors import InvalidRequest
+from elastic_hf.engine.structured_outputs import StructuredOutputsParams
 from elastic_hf.model.generation_defaults import SAMPLING_FIELDS, GenerationDefaults
 
 # Most alternatives per token a request may ask for (vLLM's default --max-logprobs, OpenAI's top_logprobs limit):
@@ -16,6 +17,9 @@ MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5
 # A repetition penalty divides positive logits: below this it overflows them to inf (found by fuzzing: 2.2e-308)
 MIN_REPETITION_PENALTY = 1e-4
+# OpenAI's ranges of the additive penalties and of logit_bias values
+PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 class RequestOutputKind(enum.Enum):
@@ -33,7 +37,15 @@ class SamplingParams:
     temperature: float = 1.0          # 0 means greedy
     top_p: float = 1.0                # in (0, 1]
     top_k: int = 0                    # 0 disables
-    repetition_penalty: float = 1.0   # 1 disables; > 0
+    repetition_penalty: float = 1.0   # 1 disables; > 0; divides the logits of prompt and output tokens (HF's)
+    presence_penalty: float = 0.0     # OpenAI's: subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0    # OpenAI's: subtracted once per occurrence in the output
+    min_p: float = 0.0                # keep tokens with probability >= min_p x the top one's (sampling only)
+    min_tokens: int = 0               # no EOS, stop token or stop string before this many output tokens
+    logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
+    bad_words: list[str] = field(default_factory=list)     # words never generated (with or without a leading space)
+    allowed_token_ids: list[int] | None = None      # only these tokens may be generated
+    structured_outputs: StructuredOutputsParams | None = None   # the output must match this (engine/grammar.py)
     seed: int | None = None           # same seed, same prompt, same params -> same output
     n: int = 1
     stop: list[str] = field(default_factory=list)
@@ -49,13 +61,16 @@ class SamplingParams:
     # stop_token_ids as a set: every sampled token of every step is looked up in it (a list scan costs ~1 ms at
     # 150k ids); derived, not an argument
     stop_token_set: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+    # bad_words as token sequences: the input processor tokenizes them (it owns the tokenizer)
+    bad_words_token_ids: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        for name in ("temperature", "top_p", "repetition_penalty"):
+        self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or [])
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise InvalidRequest(f"{name} must be a finite number, got {value!r}", param=name)
@@ -73,6 +88,7 @@ class SamplingParams:
         if self.repetition_penalty < MIN_REPETITION_PENALTY:
             raise InvalidRequest(f"repetition_penalty must be >= {MIN_REPETITION_PENALTY:g} (1 disables), got "
                                  f"{self.repetition_penalty}", param="repetition_penalty")
+        self._check_processor_fields()
         if not isinstance(self.n, int) or self.n < 1:
             raise InvalidRequest(f"n must be an integer >= 1, got {self.n!r}", param="n")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -92,6 +108,48 @@ class SamplingParams:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or not 0 <= value <= MAX_LOGPROBS):
                 raise InvalidRequest(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", param=name)
+
+    def _check_processor_fields(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not PENALTY_RANGE[0] <= getattr(self, name) <= PENALTY_RANGE[1]:
+                raise InvalidRequest(f"{name} must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got "
+                                     f"{getattr(self, name)}", param=name)
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
+                                 f"{self.min_tokens!r}", param="min_tokens")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequest("logit_bias must map token ids to numbers", param="logit_bias")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                try:
+                    token_id = int(token)   # JSON object keys are strings
+                except (TypeError, ValueError):
+                    raise InvalidRequest(f"logit_bias keys must be token ids, got {token!r}",
+                                         param="logit_bias") from None
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not \
+                        LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1]:
+                    raise InvalidRequest(f"logit_bias values must be numbers in [{LOGIT_BIAS_RANGE[0]:g}, "
+                                         f"{LOGIT_BIAS_RANGE[1]:g}], got {value!r} for token {token}",
+                                         param="logit_bias")
+                bias[token_id] = float(value)
+            self.logit_bias = bias or None
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise InvalidRequest("bad_words must be non-empty strings", param="bad_words")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            raise InvalidRequest("allowed_token_ids must be a non-empty list of non-negative token ids",
+                                 param="allowed_token_ids")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequest("structured_outputs must be a StructuredOutputsParams", param="structured_outputs")
+
+    def token_ids_to_check(self) -> dict[str, list[int]]:
+        """The token ids a request names, by field, for the input processor's vocabulary check."""
+        return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias or ()),
+                "allowed_token_ids": list(self.allowed_token_ids or ())}
 
     @property
     def output_cost(self) -> int:

@@ -36,6 +36,7 @@ class Sequence:
     num_emitted_chars: int = 0       # of `text`, already handed out as deltas
     num_emitted_tokens: int = 0
     sampler_state: object = None     # per-sequence logits processors and RNG, owned by the sampler
+    grammar: object = None           # structured output: the constraint's state (engine/grammar.py GrammarState)
     logprobs: list = field(default_factory=list)   # TokenLogprob per output token, when params.logprobs is set
     # Prefix caching (kv/prefix_cache.py): the hashes of the sequence's full blocks so far (a chain begun in
     # `cache_epoch`; None: the sequence neither finds nor registers blocks), how many of its blocks the cache names

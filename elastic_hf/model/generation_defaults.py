@@ -1,6 +1,7 @@
 """Default sampling values from a model's generation_config.json, as vLLM's `--generation-config` reads them: the
 fields the model's authors set (those differing from transformers' GenerationConfig defaults) among temperature,
-top_p, top_k, repetition_penalty and max_new_tokens (as max_tokens) become the defaults of requests that set none.
+top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens) become the defaults of requests that set
+none.
 
 `mode`: "auto" reads the checkpoint's file, "vllm" none (the engine's own defaults), a directory its file."""
 from __future__ import annotations
@@ -13,10 +14,10 @@ log = logging.getLogger(__name__)
 
 # generation_config.json field -> SamplingParams field
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens", "min_p": "min_p"}
 # the SamplingParams fields a greedy reading (no do_sample) leaves out: HF generate's warpers. The repetition
 # penalty is a logits processor HF applies in greedy decoding too, so it stays.
-SAMPLE_ONLY = ("temperature", "top_p", "top_k")
+SAMPLE_ONLY = ("temperature", "top_p", "top_k", "min_p")
 
 
 @dataclass(frozen=True, slots=True)

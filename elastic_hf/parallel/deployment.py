@@ -87,7 +87,7 @@ class Deployment:
             self.tp1_blocks = self.pool.call(0, Worker.kv_capacity, 1, 0)  # "long": more than a TP1 instance holds
             self.max_model_len = self._max_model_len()
             self.input_processor = InputProcessor.for_config(config, tokenizer, hf_config.vocab_size,
-                                                             self.max_model_len)
+                                                             self.max_model_len, self.eos_token_ids)
             # One set of request metrics across every instance engine (engines come and go with reshapes), whose
             # gauges always show the whole deployment; the deployment's and the morph metrics live in the same
             # registry, so one /metrics page shows all.

@@ -23,6 +23,8 @@ from elastic_hf.serving.errors import install_error_handlers
 from elastic_hf.serving import protocol as p
 from elastic_hf.serving.openapi_doc import document_request_bodies
 from elastic_hf.serving.openai_routes import openai_router
+from elastic_hf.serving.reasoning_parsers import reasoning_parser as make_reasoning_parser
+from elastic_hf.serving.tool_parsers import tool_parser as make_tool_parser
 from elastic_hf.serving.utility_routes import DetokenizeRequest, TokenizeRequest, utility_router
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # an 8k-token prompt is under 100 KB as text or as token ids
@@ -37,12 +39,15 @@ def system_fingerprint(model: str) -> str:
 def build_app(async_engine: AsyncEngine, *, api_key: str | None = None,
               model_id: str | Sequence[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] | None = None,
-              enable_docs: bool = False) -> FastAPI:
+              enable_docs: bool = False, tool_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app serving `async_engine` as `model_id` (default: the engine's; several names: any of them, the
     first in /health and the metrics). With `api_key`, /v1 routes need `Authorization: Bearer <api_key>`; /health
     and /metrics stay open for probes and scrapers. allowed_hosts: the Host headers accepted (against DNS
     rebinding; None: any); allowed_origins: the browser origins CORS lets read responses (None: none);
-    enable_docs: serve /docs, /redoc and /openapi.json (off: they are a map of the API for anyone)."""
+    enable_docs: serve /docs, /redoc and /openapi.json (off: they are a map of the API for anyone); tool_parser:
+    the tool-call parser that reads `tool_choice: "auto"` outputs (serving/tool_parsers.py; None: auto refused);
+    reasoning_parser: moves a thinking model's <think> part to `reasoning_content` (serving/reasoning_parsers.py)."""
     names = (model_id,) if isinstance(model_id, str) else tuple(model_id or ()) or (async_engine.model_id,)
     model_id = names[0]
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -68,7 +73,10 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None,
 
     app.include_router(openai_router(async_engine, names=names, tokenizer=async_engine.tokenizer,
                                      max_model_len=async_engine.max_model_len,
-                                     system_fingerprint=system_fingerprint(async_engine.model_id)))
+                                     system_fingerprint=system_fingerprint(async_engine.model_id),
+                                     tool_parser=make_tool_parser(tool_parser) if tool_parser else None,
+                                     reasoning_parser=make_reasoning_parser(reasoning_parser)
+                                     if reasoning_parser else None))
     app.include_router(utility_router(async_engine, names=names, max_model_len=async_engine.max_model_len))
     document_request_bodies(app, {"/v1/completions": p.CompletionRequest, "/v1/chat/completions":
                                   p.ChatCompletionRequest, "/tokenize": TokenizeRequest,

@@ -5,21 +5,27 @@ Python API give the same messages."""
 from __future__ import annotations
 
 import json
+import logging
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from elastic_hf.engine.async_engine import AsyncEngine
 from elastic_hf.engine.request_stream import RequestStream
-from elastic_hf.engine.errors import EngineError
+from elastic_hf.engine.errors import EngineError, InvalidRequest
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.serving import protocol as p
 from elastic_hf.serving.errors import APIError, api_error_from_engine, validation_error
 from elastic_hf.serving.logprobs_format import LogprobFormatter, joined
 from elastic_hf.serving.streaming import (EngineStreamingResponse, ResponseContext, chat_chunks, collect,
                                           completion_chunks)
+from elastic_hf.serving.tool_calls import final_message, plan_tools
+from elastic_hf.serving.reasoning_parsers import ReasoningParser
+from elastic_hf.serving.tool_parsers import ToolParser
 
+log = logging.getLogger(__name__)
 MAX_CHOICES = 128  # n x prompts per HTTP request: one request must not flood the scheduler
+_logged_unknown_fields: set[str] = set()
 
 
 async def parse(request: Request, model: type[p.SamplingRequest], names: tuple[str, ...]) -> p.SamplingRequest:
@@ -44,6 +50,10 @@ async def parse(request: Request, model: type[p.SamplingRequest], names: tuple[s
     if unsupported:
         raise APIError(400, f"not supported by this server: {', '.join(unsupported)}", param=unsupported[0],
                        code="unsupported_parameter")
+    new_unknown = [name for name in req.unknown_fields() if name not in _logged_unknown_fields]
+    if new_unknown:   # once per field name, as vLLM does: a client sending them on every request floods no log
+        _logged_unknown_fields.update(new_unknown)
+        log.warning("requests contain fields this server does not know, which are ignored: %s", ", ".join(new_unknown))
     return req
 
 
@@ -59,10 +69,18 @@ def check_max_tokens(max_tokens: int | None, max_model_len: int, name: str = "ma
                             f"max_model_len={max_model_len}", param=name)
 
 
-def sampling_params(req: p.SamplingRequest, max_tokens: int, defaults: dict) -> SamplingParams:
+def sampling_params(req: p.SamplingRequest, max_tokens: int, defaults: dict, constraint=None) -> SamplingParams:
     try:
-        return req.sampling_params(max_tokens, defaults)
+        return req.sampling_params(max_tokens, defaults, constraint)
     except ValueError as exc:
+        raise api_error_from_engine(exc) from exc
+
+
+def request_checked(fn, *args):
+    """fn(*args), with an InvalidRequest (a field the request got wrong) as its 400."""
+    try:
+        return fn(*args)
+    except InvalidRequest as exc:
         raise api_error_from_engine(exc) from exc
 
 
@@ -71,11 +89,15 @@ def echo_text(tokenizer, prompt: str | list[int]) -> str:
 
 
 def openai_router(async_engine: AsyncEngine, *, names: tuple[str, ...], tokenizer, max_model_len: int,
-                  system_fingerprint: str | None = None) -> APIRouter:
+                  system_fingerprint: str | None = None, tool_parser: ToolParser | None = None,
+                  reasoning_parser: ReasoningParser | None = None) -> APIRouter:
     """The /v1 routes serving `async_engine` under `names` (vLLM's --served-model-name: any of them in a request's
     'model', which its response echoes). Errors are raised as APIError: the app
     needs `errors.install_error_handlers` for them to become OpenAI-style bodies. `system_fingerprint` names the
-    backend configuration in every response (OpenAI's field; clients compare it to tell deployments apart)."""
+    backend configuration in every response (OpenAI's field; clients compare it to tell deployments apart).
+    tool_parser: how `tool_choice: "auto"` outputs are read (vLLM's --enable-auto-tool-choice with
+    --tool-call-parser); None: auto tool choice is refused. reasoning_parser: splits a thinking model's reasoning
+    from its answer (vLLM's --reasoning-parser)."""
     router = APIRouter()
     formatter = LogprobFormatter(tokenizer)
 
@@ -101,7 +123,7 @@ def openai_router(async_engine: AsyncEngine, *, names: tuple[str, ...], tokenize
         defaults = async_engine.default_sampling
         max_tokens = defaults.get("max_tokens", 16) if req.max_tokens is None else req.max_tokens
         check_max_tokens(max_tokens, max_model_len)
-        params = sampling_params(req, max_tokens, defaults)
+        params = sampling_params(req, max_tokens, defaults, request_checked(req.constraint))
         prompts = req.prompts()
         if len(prompts) * params.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={params.n} = {len(prompts) * params.n} choices; "
@@ -136,9 +158,14 @@ def openai_router(async_engine: AsyncEngine, *, names: tuple[str, ...], tokenize
         requested = req.requested_max_tokens()
         check_max_tokens(requested, max_model_len,
                          "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        plan = request_checked(plan_tools, req, tool_parser)
+        constraint = plan.constraint or request_checked(req.constraint)
+        template_kwargs = request_checked(req.template_kwargs)
         try:   # on the input thread, as every request's tokenization (engine/input_processor.py)
-            prompt_ids = await async_engine.on_input_thread(async_engine.input_processor.render_chat,
-                                                            req.template_messages(), req.add_generation_prompt)
+            prompt_ids = await async_engine.on_input_thread(
+                lambda: async_engine.input_processor.render_chat(req.template_messages(), req.add_generation_prompt,
+                                                                 tools=req.template_tools(),
+                                                                 template_kwargs=template_kwargs))
         except ValueError as exc:  # the conversation as a whole is at fault, whichever part of it
             raise APIError(400, str(exc), param="messages")
         if len(prompt_ids) >= max_model_len:
@@ -148,18 +175,24 @@ def openai_router(async_engine: AsyncEngine, *, names: tuple[str, ...], tokenize
         defaults = async_engine.default_sampling
         fit = max_model_len - len(prompt_ids)
         max_tokens = requested if requested is not None else min(fit, defaults.get("max_tokens", fit))
-        params = sampling_params(req, max_tokens, defaults)
+        params = sampling_params(req, max_tokens, defaults, constraint)
         if params.n > MAX_CHOICES:
             raise APIError(400, f"n={params.n} is beyond the limit of {MAX_CHOICES} choices per request", param="n")
         streams = await submit([prompt_ids], params, "chatcmpl")
         ctx = context("chatcmpl", req)
         wants_logprobs = params.logprobs is not None
         if req.stream:
-            return EngineStreamingResponse(chat_chunks(streams[0], ctx, params.n, wants_logprobs), streams)
+            return EngineStreamingResponse(chat_chunks(streams[0], ctx, params.n, wants_logprobs, plan,
+                                                       reasoning_parser), streams)
         (out,) = await collect(streams, request)
-        choices = [p.ChatChoice(index=o.index, message=p.ChatMessageOut(content=o.text), finish_reason=o.finish_reason,
-                                logprobs=formatter.chat(o.logprobs) if wants_logprobs else None)
-                   for o in out.outputs]
+        choices = []
+        for o in out.outputs:
+            thought, text = reasoning_parser.split(o.text) if reasoning_parser is not None else (None, o.text)
+            message = final_message(plan, text, o.finish_reason)
+            out_message = p.ChatMessageOut(content=message.content, reasoning_content=thought,
+                                           tool_calls=message.tool_calls)
+            choices.append(p.ChatChoice(index=o.index, finish_reason=message.finish_reason, message=out_message,
+                                        logprobs=formatter.chat(o.logprobs) if wants_logprobs else None))
         usage = p.UsageInfo.of(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs),
                                out.num_cached_tokens)
         return p.ChatCompletionResponse(**ctx.common(), choices=choices, usage=usage).model_dump()

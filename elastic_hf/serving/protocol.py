@@ -13,6 +13,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from elastic_hf.engine.errors import InvalidRequest
 from elastic_hf.engine.sampling_params import RequestOutputKind, SamplingParams
+from elastic_hf.engine.structured_outputs import StructuredOutputsParams
+from elastic_hf.serving.structured_request import request_constraint
+from elastic_hf.serving.tool_protocol import (ChatTool, DeltaToolCall, ResponseFormat, ToolCall, ToolChoice,
+                                              arguments_object)
+
+# Fields of the OpenAI / vLLM APIs this server knows and does not implement: a request that sets them gets a 400
+# naming them rather than an answer that silently ignores them. Any other unknown field is accepted and logged.
+REFUSED_FIELDS = ("audio", "modalities", "prediction", "web_search_options", "functions", "function_call",
+                  "chat_template", "documents", "logits_processors", "priority", "guided_whitespace_pattern",
+                  "prompt_embeds", "mm_processor_kwargs", "return_tokens_as_token_ids")
 
 
 # ---------------------------------------------------------------- errors
@@ -37,8 +47,9 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields and checks shared by completion and chat requests: sampling options and streaming."""
 
-    # Unknown fields (logit_bias, logprobs=False, ...) are ignored like most OpenAI-compatible servers do.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are accepted (clients send vendor extensions) and logged once per name, as vLLM does; the ones
+    # this server knows and does not implement are refused (REFUSED_FIELDS).
+    model_config = ConfigDict(extra="allow")
 
     model: str
     n: int = 1
@@ -57,21 +68,45 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     # vLLM's: requests share cached prompt KV only with requests of the same salt (tenant isolation)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
-    # accepted so clients that always send them work; non-default values are refused (see unsupported())
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     def unsupported(self) -> list[str]:
         """Names of requested features this server does not implement (a clear 400 beats silently ignoring)."""
-        return [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
+        extra = self.model_extra or {}
+        harmless = {"modalities": ["text"]}   # what a text-only request may say without asking for anything
+        return [name for name in REFUSED_FIELDS
+                if extra.get(name) not in (None, False, [], {}) and extra[name] != harmless.get(name)]
+
+    def unknown_fields(self) -> list[str]:
+        """Fields of the request that no API this server follows defines (accepted; the server logs them)."""
+        return sorted(set(self.model_extra or {}) - set(REFUSED_FIELDS))
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        return request_constraint(self)
 
     def logprob_options(self) -> tuple[int | None, int | None]:
         """(logprobs, prompt_logprobs) for SamplingParams: how many alternatives per output / prompt token."""
         return None, None
 
-    def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, defaults: dict | None = None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises ValueError naming the argument and its allowed range. defaults: the values of fields the request
-        leaves unset (the model's generation_config.json), else OpenAI's."""
+        leaves unset (the model's generation_config.json), else OpenAI's. constraint: the output's structure
+        (self.constraint(), or a forced tool call's)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         defaults = defaults or {}
 
@@ -84,7 +119,10 @@ class SamplingRequest(BaseModel):
             temperature=value("temperature", 1.0),
             top_p=value("top_p", 1.0),
             top_k=value("top_k", 0) or 0,
-            repetition_penalty=value("repetition_penalty", 1.0),
+            repetition_penalty=value("repetition_penalty", 1.0), min_p=value("min_p", 0.0),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            min_tokens=self.min_tokens, logit_bias=self.logit_bias, bad_words=list(self.bad_words or []),
+            allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint,
             seed=self.seed, n=self.n, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             **dict(zip(("logprobs", "prompt_logprobs"), self.logprob_options())), cache_salt=self.cache_salt,
@@ -135,10 +173,29 @@ class CompletionRequest(SamplingRequest):
 
 
 class ChatMessage(BaseModel):
+    # fields clients echo back from earlier responses (refusal, annotations, ...) are not the model's input
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant turn's calls
+    tool_call_id: str | None = None            # a tool turn: the call it answers
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as transformers' chat templates take it: "developer" as "system" (templates know only the
+        latter), tool calls with their arguments as objects (templates render them with tojson)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name,
+                                                   "arguments": arguments_object(c.function.arguments)}}
+                                     for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -168,9 +225,25 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's new name for "system"; HF chat templates only know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # extra template variables (e.g. enable_thinking)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "tokenize", "return_dict",
+                                          "chat_template", "documents", "continue_final_message"})
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}: they are request fields or "
+                                 f"the server's", param="chat_template_kwargs")
+        return kwargs
 
 
 # ---------------------------------------------------------------- responses
@@ -227,7 +300,9 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None   # a thinking model's reasoning (--reasoning-parser), vLLM's field
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -265,6 +340,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

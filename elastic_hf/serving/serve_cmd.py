@@ -10,6 +10,8 @@ import sys
 
 from elastic_hf.config import PREFIX_CACHING_HASH_ALGOS
 from elastic_hf.serving.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, DrainingServer
+from elastic_hf.serving.reasoning_parsers import REASONING_PARSERS
+from elastic_hf.serving.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # Appended to help texts that explain their own default: the empty format keeps argparse's
@@ -77,6 +79,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                         help="Jinja chat template, as a file path or inline, replacing the model's for "
                              "/v1/chat/completions (default: the tokenizer's)" + _OWN_DEFAULT)
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice "auto": the model decides whether to call a tool, and its output is '
+                             'read with --tool-call-parser (required and named tool choices work without it)')
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen, Hermes), llama3_json, "
+                             "pythonic")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="move a thinking model's <think>...</think> part to reasoning_content: deepseek_r1 (the "
+                             "template opens <think>), qwen3 (the model opens it, or skips it)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="most sequences in one running batch (default: engine default, 64)" + _OWN_DEFAULT)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -237,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout:g}")
         if args.request_timeout is not None and not args.request_timeout > 0:
             raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
+        if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+            raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: give both or neither")
         config = engine_config(args)
         async_engine = AsyncEngine(request_timeout=args.request_timeout)
         # built on the engine thread: the thread that steps the model is the only one with an OpenMP pool
@@ -246,7 +259,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     app = build_app(async_engine, api_key=api_key, model_id=args.served_model_name or model.model_id,
                     max_body_bytes=args.max_body_bytes, allowed_hosts=args.allowed_hosts,
-                    allowed_origins=args.allowed_origins, enable_docs=args.enable_docs)
+                    allowed_origins=args.allowed_origins, enable_docs=args.enable_docs,
+                    tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     app.include_router(admin_morph_router(model, async_engine, admin_key))
     app.include_router(admin_reshape_router(model, async_engine, admin_key))
     app.include_router(admin_drop_router(model, async_engine, admin_key))

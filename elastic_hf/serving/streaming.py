@@ -18,6 +18,8 @@ from elastic_hf.engine.outputs import RequestOutput
 from elastic_hf.serving import protocol as p
 from elastic_hf.serving.errors import APIError, api_error_from_engine, sse_error_event
 from elastic_hf.serving.logprobs_format import LogprobFormatter
+from elastic_hf.serving.reasoning_parsers import ReasoningParser, ReasoningStream
+from elastic_hf.serving.tool_calls import ToolCallStream, ToolPlan
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -168,10 +170,35 @@ async def completion_chunks(streams: list[RequestStream], ctx: ResponseContext, 
     yield SSE_DONE
 
 
-async def chat_chunks(stream: RequestStream, ctx: ResponseContext, n: int, logprobs: bool) -> AsyncIterator[str]:
-    """SSE events of /v1/chat/completions: a role-only chunk per choice first, as OpenAI sends."""
+class ChoiceDeltas:
+    """One chat choice's text deltas as OpenAI delta messages: reasoning split off first (a reasoning parser), then
+    the rest as content or tool-call deltas (a tool plan)."""
+
+    def __init__(self, plan: ToolPlan | None, reasoning: ReasoningParser | None):
+        self.tools = ToolCallStream(plan) if plan is not None and plan.mode != "none" else None
+        self.reasoning = ReasoningStream(reasoning) if reasoning is not None else None
+
+    def delta(self, text: str, finish_reason: str | None) -> tuple[p.DeltaMessage, str | None]:
+        finished = finish_reason is not None
+        thought = None
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text, finished)
+            text = text or ""
+        if self.tools is None:
+            return p.DeltaMessage(content=text or None, reasoning_content=thought), finish_reason
+        content, calls = self.tools.feed(text, finished)
+        if finish_reason == "stop" and self.tools.made_calls and self.tools.plan.mode in ("auto", "required"):
+            finish_reason = "tool_calls"
+        return p.DeltaMessage(content=content, reasoning_content=thought, tool_calls=calls or None), finish_reason
+
+
+async def chat_chunks(stream: RequestStream, ctx: ResponseContext, n: int, logprobs: bool,
+                      plan: ToolPlan | None = None, reasoning: ReasoningParser | None = None) -> AsyncIterator[str]:
+    """SSE events of /v1/chat/completions: a role-only chunk per choice first, as OpenAI sends; each choice's text
+    then goes out as reasoning, content or tool-call deltas (ChoiceDeltas)."""
     prompt_tokens: dict[int, tuple[int, int]] = {0: (0, 0)}   # (prompt tokens, of them cached)
     completion_tokens: dict[tuple[int, int], int] = {}
+    deltas = {k: ChoiceDeltas(plan, reasoning) for k in range(n)}
 
     def chunk(choices, usage=None):
         if usage is None and ctx.continuous_usage:
@@ -188,9 +215,11 @@ async def chat_chunks(stream: RequestStream, ctx: ResponseContext, n: int, logpr
                 key = (0, o.index)
                 completion_tokens[key] = completion_tokens.get(key, 0) + len(o.delta_token_ids)
                 lp = ctx.formatter.chat(o.delta_logprobs) if logprobs and o.delta_logprobs else None
-                if o.delta_text or o.finish_reason is not None or lp is not None:
-                    choices.append(p.ChatChunkChoice(index=o.index, delta=p.DeltaMessage(content=o.delta_text),
-                                                     logprobs=lp, finish_reason=o.finish_reason))
+                delta, finish_reason = deltas[o.index].delta(o.delta_text, o.finish_reason)
+                if delta.content or delta.reasoning_content or delta.tool_calls or finish_reason is not None \
+                        or lp is not None:
+                    choices.append(p.ChatChunkChoice(index=o.index, delta=delta, logprobs=lp,
+                                                     finish_reason=finish_reason))
             if choices:
                 yield chunk(choices)
         if ctx.include_usage:

@@ -92,3 +92,35 @@ def test_reshape_is_refused_while_a_restore_waits_for_live_kv_blocks(setup):
     assert model.morph.state(0)["layer_counts"]["fp"] == 3
     assert model.reshape([2]).committed
     model.reshape([1, 1])
+
+
+def test_structured_output_survives_a_morph_and_a_reshape_mid_generation(setup):
+    """Grammar state lives with the sequence in the engine process and masks travel to the sampling worker each
+    step: a JSON-schema request decoding across a W4 morph, its restore and a TP reshape stays valid JSON of its
+    schema, and a fresh matcher accepts every one of its tokens."""
+    import json
+
+    from deployment_steps import run_steps
+    from elastic_hf.engine.sampling_params import SamplingParams
+    from elastic_hf.engine.structured_outputs import StructuredOutputsParams
+
+    model, prompts, _ = setup
+    dep = model.deployment
+    item = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
+            "required": ["kind", "ok"], "additionalProperties": False}
+    constraint = StructuredOutputsParams(json={"type": "array", "items": item, "minItems": 4, "maxItems": 4})
+    params = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=constraint)
+    ids = [dep.add_request(None, p, params, instance=i % 2) for i, p in enumerate(prompts[:2])]
+    done = run_steps(dep, ids, {}, num_steps=6)
+    model.morph.to_precision("all", "w4", instance=0)
+    run_steps(dep, ids, done, num_steps=6)
+    assert not done, "the requests must still be decoding when the reshape starts"
+    assert model.reshape([2]).committed          # restores instance 0's layers first, then merges
+    run_steps(dep, ids, done)
+    model.reshape([1, 1])
+    for rid in ids:
+        text = model.tokenizer.decode(done[rid], skip_special_tokens=True)
+        items = json.loads(text)
+        assert len(items) == 4 and all(set(x) == {"kind", "ok"} for x in items), text
+        state = dep.input_processor.grammars.compile(constraint).state()
+        assert all(state.consume(t) for t in done[rid])

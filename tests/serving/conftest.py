@@ -31,7 +31,8 @@ def default_server():
     from elastic_hf import ElasticModel
 
     model = ElasticModel.from_pretrained(None, max_model_len=2048, kv_cache_memory=256 << 20, dtype="float32")
-    handle, stop = start_server(model, prompts=["The capital of France is"],
+    handle, stop = start_server(model, prompts=["The capital of France is"], tool_parser="hermes",
+                                reasoning_parser="qwen3",
                                 chats=["What is the capital of France? Answer in one word."])
     yield handle
     stop()

@@ -61,7 +61,10 @@ def test_fuzzed_requests_never_get_a_5xx_and_leave_the_server_exact(fuzz_server)
                        st.dictionaries(st.text(max_size=5), st.integers(), max_size=3))
     fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed",
               "stream", "logprobs", "top_logprobs", "echo", "repetition_penalty", "stop_token_ids", "ignore_eos",
-              "presence_penalty", "frequency_penalty", "stream_options", "cache_salt", "max_completion_tokens"]
+              "presence_penalty", "frequency_penalty", "stream_options", "cache_salt", "max_completion_tokens",
+              "min_p", "min_tokens", "logit_bias", "bad_words", "allowed_token_ids", "response_format",
+              "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
+              "tool_choice", "parallel_tool_calls", "chat_template_kwargs"]
 
     @settings(max_examples=MUTATIONS, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
