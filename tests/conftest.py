@@ -41,6 +41,8 @@ SLOW_PREFIXES = (
     "tests/serving/test_serve_flags.py", "tests/serving/test_admin_reshape.py",
     "tests/serving/test_admin_drop.py", "tests/serving/test_auth.py",
     "tests/test_examples.py", "tests/test_standalone.py::test_readme_test_command_passes_in_a_copy",
+    "tests/serving/test_structured_api.py::test_a_tool", "tests/serving/test_structured_api.py::test_guided",
+    "tests/serving/test_structured_api.py::test_reasoning",
 )
 FAST_REPRESENTATIVES = (
     "tests/parallel/test_pipeline.py::test_pp2_matches_hf_with_chunked_prefill[llama-1x2]",

@@ -1,7 +1,8 @@
-"""Token selection through transformers' logits processors. Rows under a structured-output constraint first get
-their grammar's token mask (one bitmask for the step, engine/grammar.py); greedy rows without processors then take
-one batched argmax; the others run their own processor list and their own seeded generator, so a seed reproduces
-an output whatever else shares the batch."""
+"""Token selection. Rows under a structured-output constraint first get their grammar's token mask (one bitmask for
+the step, engine/grammar.py); greedy rows without processors then take one batched argmax; rows with processors
+(penalties, biases, bad words, min_tokens: transformers' and engine/logits_processors.py) run them alone; sampled
+rows then get temperature / top-k / top-p together (engine/batched_sampling.py) and draw from their own seeded
+generator, so a seed reproduces an output whatever else shares the batch."""
 from __future__ import annotations
 
 import random
@@ -11,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
-                          NoBadWordsLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+                          NoBadWordsLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper)
 
-from elastic_hf.engine.logits_processors import AllowedTokensProcessor, LogitBiasProcessor, OpenAIPenaltiesProcessor
+from elastic_hf.engine.batched_sampling import Warp, draw, sample_warped
+from elastic_hf.engine.logits_processors import (AllowedTokensProcessor, LogitBiasProcessor, OpenAIPenaltiesProcessor,
+                                                 TopKTopPProcessor)
 from elastic_hf.engine.outputs import TokenLogprob
 from elastic_hf.engine.sequence import Sequence
 from elastic_hf.native.argmax import argmax_rows
@@ -28,7 +30,8 @@ GrammarMasks = tuple[list[int], torch.Tensor]
 class SeqSamplerState:
     processors: LogitsProcessorList
     generator: torch.Generator | None  # None for greedy
-    uses_history: bool                 # repetition penalty needs the token history
+    uses_history: bool                 # a penalty, min_tokens or bad_words read the token history
+    warp: Warp | None = None           # a sampled row's temperature / top-k / top-p, applied batched
 
 
 def request_seeds(server_seed: int) -> Iterator[int]:
@@ -62,22 +65,22 @@ def make_sampler_state(seq: Sequence, fallback_seed: int | None = None,
         processors.append(OpenAIPenaltiesProcessor(p.presence_penalty, p.frequency_penalty, seq.num_prompt_tokens))
     uses_history = bool(p.bad_words_token_ids or p.min_tokens or p.repetition_penalty != 1.0
                         or p.presence_penalty or p.frequency_penalty)
-    generator = None
+    generator, warp = None, None
     if not p.is_greedy:
-        if p.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(p.temperature))
-        if p.top_k > 0:
-            processors.append(TopKLogitsWarper(p.top_k))
-        if p.top_p < 1.0:
-            processors.append(TopPLogitsWarper(p.top_p))
-        if p.min_p > 0:
+        if p.min_p > 0:   # min_p follows the other warpers (HF's order): the whole chain runs on this row alone
+            if p.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(p.temperature))
+            if p.top_k > 0 or p.top_p < 1.0:
+                processors.append(TopKTopPProcessor(p.top_k, p.top_p))
             processors.append(MinPLogitsWarper(p.min_p))
+        else:
+            warp = Warp(p.temperature, p.top_k, p.top_p)
         base_seed = p.seed if p.seed is not None else fallback_seed
         if base_seed is None:
             base_seed = secrets.randbits(63)
         # n > 1 siblings draw from distinct but reproducible streams.
         generator = torch.Generator().manual_seed((base_seed + 1_000_003 * seq.index) % (2**63))
-    return SeqSamplerState(processors, generator, uses_history)
+    return SeqSamplerState(processors, generator, uses_history, warp)
 
 
 def sample(logits: torch.Tensor, seqs: list,
@@ -92,26 +95,37 @@ def sample(logits: torch.Tensor, seqs: list,
     # batch-32 step over 49k logits, against 0.45 ms for max(dim).indices and 0.80 for torch's CPU argmax
     tokens: list[int | None] = argmax_rows(logits)
     failures: dict[int, Exception] = {}
+    warped: list[int] = []               # sampled rows whose warpers run batched
+    processed: dict[int, torch.Tensor] = {}   # row -> its logits after its own processors
     for row, seq in enumerate(seqs):
         state: SeqSamplerState = seq.sampler_state
         if not state.processors and state.generator is None:
             continue
         try:
-            tokens[row] = _sample_row(logits[row:row + 1], seq, state)   # [1, vocab]
+            scores = logits[row:row + 1]                                                  # [1, vocab]
+            if state.processors:
+                history = torch.tensor([seq.token_ids], dtype=torch.long) if state.uses_history else None
+                scores = processed[row] = state.processors(history, scores.clone())
+            if state.generator is None:
+                tokens[row] = int(torch.argmax(scores, dim=-1))
+            elif state.warp is None:   # its warpers ran among its processors
+                tokens[row] = draw(torch.softmax(scores, dim=-1)[0], state.generator)
+            else:
+                warped.append(row)
         except Exception as exc:  # noqa: BLE001 - one request's sampling must not fail the batch
             tokens[row] = None
             failures[row] = exc
+    if warped:
+        scores = torch.cat([processed[r] if r in processed else logits[r:r + 1] for r in warped])   # [n, vocab]
+        states = [seqs[r].sampler_state for r in warped]
+        for row, result in zip(warped, sample_warped(scores, [s.warp for s in states],
+                                                     [s.generator for s in states])):
+            if isinstance(result, Exception):
+                tokens[row] = None
+                failures[row] = result
+            else:
+                tokens[row] = result
     return tokens, failures
-
-
-def _sample_row(scores: torch.Tensor, seq: Sequence, state: SeqSamplerState) -> int:
-    if state.processors:
-        history = torch.tensor([seq.token_ids], dtype=torch.long) if state.uses_history else None
-        scores = state.processors(history, scores.clone())
-    if state.generator is None:
-        return int(torch.argmax(scores, dim=-1))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=state.generator))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
@@ -152,19 +166,21 @@ class RemoteSampling:
     generator_state: bytes | None
     history: list[int] | None
     token_bitmask: bytes | None = None   # the row's grammar mask (int32 words), when under a constraint
+    warp: Warp | None = None
 
     @classmethod
     def of(cls, seq: Sequence, token_bitmask: bytes | None = None) -> "RemoteSampling":
         state: SeqSamplerState = seq.sampler_state
         generator = state.generator.get_state().numpy().tobytes() if state.generator is not None else None
-        return cls(state.processors, generator, list(seq.token_ids) if state.uses_history else None, token_bitmask)
+        return cls(state.processors, generator, list(seq.token_ids) if state.uses_history else None, token_bitmask,
+                   state.warp)
 
     def row(self) -> _Row:
         generator = None
         if self.generator_state is not None:
             generator = torch.Generator()
             generator.set_state(torch.frombuffer(bytearray(self.generator_state), dtype=torch.uint8))
-        return _Row(SeqSamplerState(self.processors, generator, self.history is not None), self.history)
+        return _Row(SeqSamplerState(self.processors, generator, self.history is not None, self.warp), self.history)
 
 
 @dataclass(slots=True)

@@ -99,7 +99,7 @@ def test_bad_logprobs_fail_clearly(kwargs, message):
 
 
 def test_failing_sampling_fails_its_request_alone(tiny):
-    """A logits processor that raises (as NaN logits make multinomial raise) ends that request with an error;
+    """A logits processor that raises (as NaN logits make the sampler raise) ends that request with an error;
     the 8 others of the same batch get their exact greedy tokens and every block comes back."""
     model, reference = tiny
     engine = model.deployment.instances[0].engine   # the LLMEngine of the one instance

@@ -51,7 +51,7 @@ def test_remote_sampling_matches_local_over_steps():
 def test_a_failing_row_fails_alone():
     seqs = _seqs()
     logits = torch.randn(len(ROW_PARAMS), VOCAB)
-    logits[2] = float("nan")    # a sampled row: multinomial refuses NaN probabilities
+    logits[2] = float("nan")    # a sampled row: the sampler refuses NaN probabilities
     tokens, failures = adopt_sampled(sample_remote(logits, [RemoteSampling.of(s) for s in seqs]), seqs)
     assert list(failures) == [2] and "RuntimeError" in failures[2]
     assert tokens[2] is None and all(isinstance(t, int) for i, t in enumerate(tokens) if i != 2)

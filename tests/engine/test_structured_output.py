@@ -158,3 +158,49 @@ def test_sampling_params_validate_the_new_fields():
         with pytest.raises(InvalidRequest, match=needle):
             SamplingParams(**kwargs)
     assert SamplingParams(logit_bias={"5": -100}).logit_bias == {5: -100.0}
+
+
+def test_top_k_top_p_keep_what_hf_keeps_and_draw_follows_the_distribution():
+    from transformers import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+
+    from elastic_hf.engine.logits_processors import TopKTopPProcessor
+    from elastic_hf.engine.batched_sampling import draw
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):   # vocabularies beyond the 256 candidates too, so the full-sort fallback runs
+        vocab = int(torch.randint(10, 3000, (1,), generator=gen))
+        scores = torch.randn(1, vocab, generator=gen) * float(torch.rand(1, generator=gen) * 8)
+        top_k = int(torch.randint(0, vocab + 5, (1,), generator=gen)) if trial % 3 else 0
+        top_p = float(torch.rand(1, generator=gen)) if trial % 4 else 1.0
+        hf = LogitsProcessorList(([TopKLogitsWarper(top_k)] if top_k else []) +
+                                 ([TopPLogitsWarper(top_p)] if top_p < 1 else []))(None, scores.clone())
+        ours = TopKTopPProcessor(top_k, top_p)(None, scores.clone())
+        assert torch.equal(torch.isfinite(hf), torch.isfinite(ours)), (vocab, top_k, top_p)
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(20000)]), minlength=5) / 20000
+    assert counts[1] == counts[4] == 0 and torch.allclose(counts, probs, atol=0.015)
+    with pytest.raises(RuntimeError, match="NaN"):
+        draw(torch.tensor([0.5, float("nan")]), gen)
+
+
+def test_batched_warps_draw_from_hfs_warped_distribution():
+    """Temperature, top-k and top-p applied to many rows at once (and the exact per-row path a row takes when its
+    top-k or nucleus reaches beyond the candidates) draw from the distribution HF's warpers define."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from elastic_hf.engine.batched_sampling import CANDIDATES, Warp, sample_warped
+
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(1, CANDIDATES + 150, generator=gen) * 3
+    for warp in [Warp(0.7, 0, 0.9), Warp(1.0, 20, 1.0), Warp(1.3, 50, 0.8), Warp(0.5, 0, 1.0),
+                 Warp(1.0, CANDIDATES + 40, 1.0), Warp(1.0, 0, 0.9999)]:
+        hf = LogitsProcessorList([TemperatureLogitsWarper(warp.temperature)] +
+                                 ([TopKLogitsWarper(warp.top_k)] if warp.top_k else []) +
+                                 ([TopPLogitsWarper(warp.top_p)] if warp.top_p < 1 else []))(None, scores.clone())
+        want = torch.softmax(hf[0], 0)
+        draws = sample_warped(scores.repeat(3000, 1), [warp] * 3000, [gen] * 3000)
+        got = torch.bincount(torch.tensor(draws), minlength=scores.shape[1]) / 3000
+        assert got[want == 0].sum() == 0, warp              # nothing outside HF's kept set
+        # total variation distance, against what 3,000 draws spread over the kept tokens give by chance
+        noise = 0.4 * (float((want > 1e-4).sum()) / 3000) ** 0.5
+        assert (got - want).abs().sum() / 2 < 0.03 + noise, warp

@@ -97,7 +97,7 @@ def test_usage_only_when_asked(tiny_server):
 
 def test_request_whose_sampling_raises_fails_alone(tiny_server, monkeypatch):
     """Fault injection at the sampler: requests with seed 4242 get a logits processor that raises (as NaN logits
-    make torch.multinomial raise). That request gets a 500 naming the failure; 8 concurrent streams finish with
+    make the sampler raise). That request gets a 500 naming the failure; 8 concurrent streams finish with
     their exact greedy text; no block is left behind."""
     import elastic_hf.engine.llm_engine as llm_engine
 

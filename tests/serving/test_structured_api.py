@@ -49,8 +49,7 @@ def test_parse_returns_a_pydantic_object(client, default_server):
 
 def test_json_object_outputs_always_load(client, default_server):
     prompts = ["Return a JSON object with keys name and age for a person called Bob who is 30.",
-               "Give the capital of France as JSON.", "Describe a cat in JSON with two fields.",
-               "What is the boiling point of water? Answer in JSON."]
+               "Describe a cat in JSON with two fields."]
     for prompt in prompts:
         resp = _create(client, default_server, messages=[{"role": "user", "content": prompt}], max_tokens=150,
                        response_format={"type": "json_object"})
@@ -119,13 +118,12 @@ def test_logit_bias_min_tokens_and_penalties(client, default_server):
     assert banned.choices[0].logprobs.content[0].token != first
     text = plain.choices[0].message.content
     stop = text.split()[1]   # a word the greedy output reaches within a few tokens
-    cut = _create(client, default_server, messages=ASK, max_tokens=40, stop=[stop])
-    held = _create(client, default_server, messages=ASK, max_tokens=40, stop=[stop], extra_body={"min_tokens": 20})
-    assert cut.usage.completion_tokens < 20 <= held.usage.completion_tokens
-    penalised = _create(client, default_server, messages=ASK, max_tokens=40, presence_penalty=2.0,
+    cut = _create(client, default_server, messages=ASK, max_tokens=16, stop=[stop])
+    held = _create(client, default_server, messages=ASK, max_tokens=16, stop=[stop], extra_body={"min_tokens": 12})
+    assert cut.usage.completion_tokens < 12 <= held.usage.completion_tokens
+    penalised = _create(client, default_server, messages=ASK, max_tokens=12, presence_penalty=2.0,
                         frequency_penalty=2.0)
-    repeated = _create(client, default_server, messages=ASK, max_tokens=40)
-    assert penalised.choices[0].message.content != repeated.choices[0].message.content
+    assert penalised.choices[0].message.content != plain.choices[0].message.content
 
 
 def test_guided_fields_and_structured_outputs_on_completions(client, default_server):
