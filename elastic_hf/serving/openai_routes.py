@@ -17,6 +17,7 @@ from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.serving import protocol as p
 from elastic_hf.serving.errors import APIError, api_error_from_engine, validation_error
 from elastic_hf.serving.logprobs_format import LogprobFormatter, joined
+from elastic_hf.serving.model_cards import ModelCard, ModelList
 from elastic_hf.serving.streaming import (EngineStreamingResponse, ResponseContext, chat_chunks, collect,
                                           completion_chunks)
 from elastic_hf.serving.tool_calls import final_message, plan_tools
@@ -114,7 +115,7 @@ def openai_router(async_engine: AsyncEngine, *, names: tuple[str, ...], tokenize
 
     @router.get("/v1/models")
     async def models():
-        return p.ModelList(data=[p.ModelCard(id=name, root=async_engine.model_id, max_model_len=max_model_len)
+        return ModelList(data=[ModelCard(id=name, root=async_engine.model_id, max_model_len=max_model_len)
                                  for name in names]).model_dump()
 
     @router.post("/v1/completions")

@@ -1,4 +1,5 @@
-"""OpenAI wire format (completions, chat completions, models, errors) as pydantic v2 models.
+"""OpenAI wire format (completions, chat completions, errors) as pydantic v2 models; tools in tool_protocol.py,
+/v1/models in model_cards.py.
 
 Request models check types and presence only; value ranges are checked once, by `SamplingParams` and the
 engine, so the HTTP API and the Python API give the same messages with the same numbers.
@@ -229,6 +230,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None   # extra template variables (e.g. enable_thinking)
+    continue_final_message: bool = False   # vLLM's: the output continues the last (assistant) message
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]
@@ -237,12 +239,17 @@ class ChatCompletionRequest(SamplingRequest):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def template_kwargs(self) -> dict[str, Any]:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest("continue_final_message needs add_generation_prompt: false (a new assistant turn "
+                                 "cannot continue the last message)", param="continue_final_message")
         kwargs = dict(self.chat_template_kwargs or {})
         reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "tokenize", "return_dict",
                                           "chat_template", "documents", "continue_final_message"})
         if reserved:
             raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}: they are request fields or "
                                  f"the server's", param="chat_template_kwargs")
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
         return kwargs
 
 
@@ -363,35 +370,3 @@ class ChatCompletionChunk(BaseModel):
 
 # stream chunks of /v1/completions reuse CompletionResponse (same object name in the OpenAI API)
 CompletionChunk = CompletionResponse
-
-
-class ModelPermission(BaseModel):
-    """vLLM's permission record of a served model (clients written for vLLM read it)."""
-    id: str = Field(default_factory=lambda: new_id("modelperm"))
-    object: Literal["model_permission"] = "model_permission"
-    created: int = Field(default_factory=now)
-    allow_create_engine: bool = False
-    allow_sampling: bool = True
-    allow_logprobs: bool = True
-    allow_search_indices: bool = False
-    allow_view: bool = True
-    allow_fine_tuning: bool = False
-    organization: str = "*"
-    group: str | None = None
-    is_blocking: bool = False
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "elastic-hf"
-    root: str | None = None       # the checkpoint the served name stands for
-    parent: str | None = None     # a fine-tuned adapter's base (none here)
-    max_model_len: int | None = None
-    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

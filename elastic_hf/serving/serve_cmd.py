@@ -84,10 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              'read with --tool-call-parser (required and named tool choices work without it)')
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen, Hermes), llama3_json, "
-                             "pythonic")
+                             "pythonic (default: none, auto tool choice off)" + _OWN_DEFAULT)
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="move a thinking model's <think>...</think> part to reasoning_content: deepseek_r1 (the "
-                             "template opens <think>), qwen3 (the model opens it, or skips it)")
+                             "template opens <think>), qwen3 (the model opens it, or skips it) (default: none, the "
+                             "output stays content)" + _OWN_DEFAULT)
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="most sequences in one running batch (default: engine default, 64)" + _OWN_DEFAULT)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -74,6 +74,8 @@ def _bad_cases(model_id: str, max_body_bytes: int):
          {**chat, "tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, ["'g'", "f"]),
         ("a refused field", "/v1/chat/completions", {**chat, "modalities": ["text", "audio"]}, 400, ["modalities"]),
+        ("continue_final_message with a generation prompt", "/v1/chat/completions",
+         {**chat, "continue_final_message": True}, 400, ["continue_final_message", "add_generation_prompt"]),
         ("reserved template kwarg", "/v1/chat/completions", {**chat, "chat_template_kwargs": {"tools": []}}, 400,
          ["chat_template_kwargs", "tools"]),
         ("oversize body", "/v1/completions", {**ok, "prompt": "x" * (max_body_bytes + 10)}, 413,

@@ -19,7 +19,8 @@ SERVE_FLAGS = ["--host", "--port", "--memory-budget", "--max-model-len", "--dtyp
                "--topology", "--tensor-parallel-size", "--kv-cache-memory-bytes", "--gpu-memory-utilization",
                "--block-size", "--max-stop-strings", "--max-stop-string-chars", "--seed", "--chat-template",
                "--shutdown-timeout", "--request-timeout", "--device", "--enforce-eager", "--enable-prefix-caching",
-               "--no-enable-prefix-caching", "--prefix-caching-hash-algo"]
+               "--no-enable-prefix-caching", "--prefix-caching-hash-algo", "--enable-auto-tool-choice",
+               "--tool-call-parser", "--reasoning-parser"]
 
 
 def _cli() -> list[str]:

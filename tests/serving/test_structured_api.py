@@ -137,6 +137,16 @@ def test_guided_fields_and_structured_outputs_on_completions(client, default_ser
         assert check(resp.choices[0].text), (extra, resp.choices[0].text)
 
 
+def test_continue_final_message_continues_the_assistant_turn(client, default_server):
+    start = "The capital of France is"
+    history = [{"role": "user", "content": "Tell me about France."}, {"role": "assistant", "content": start}]
+    resp = _create(client, default_server, messages=history, max_tokens=6,
+                   extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    prompt = default_server.model.tokenizer.apply_chat_template(history, continue_final_message=True, tokenize=True,
+                                                                 return_dict=False)
+    assert resp.usage.prompt_tokens == len(prompt) and resp.choices[0].message.content
+
+
 def test_unknown_fields_are_logged_once_and_refused_fields_named(client, default_server, caplog):
     with caplog.at_level(logging.WARNING, logger="elastic_hf.serving.openai_routes"):
         for _ in range(2):
