@@ -28,24 +28,16 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     takes 1.3 ms for a 49k vocabulary on the 2-core test machine (its CPU path draws per element); a float64 cumsum
     and a binary search take ~0.1 ms. A token of probability 0 (masked by a grammar, cut by top-k/top-p) is never
     drawn: its CDF step is empty. RuntimeError for NaN or infinite probabilities."""
-    return draw_from_cdf(probs.to(torch.float64).cumsum(0), generator)
-
-
-def draw_from_cdf(cdf: torch.Tensor, generator: torch.Generator) -> int:
-    """cdf [n]: the cumulative (unnormalised, float64) weights; the index drawn."""
-    total = float(cdf[-1])
-    if not total > 0 or total == float("inf"):   # NaN logits (a broken model or input) fail this row alone
-        raise RuntimeError(f"cannot sample from probabilities that sum to {total} (NaN or infinite logits)")
-    u = torch.rand(1, dtype=torch.float64, generator=generator) * total
-    index = min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[0] - 1)
-    while index > 0 and cdf[index] == cdf[index - 1]:   # u rounded up to the total: the last token with weight
-        index -= 1
-    return index
+    (token,) = draw_rows(probs.to(torch.float64).cumsum(0).unsqueeze(0), [generator])
+    if isinstance(token, Exception):
+        raise token
+    return token
 
 
 def draw_rows(cdf: torch.Tensor, generators: list[torch.Generator]) -> list[int | Exception]:
-    """draw_from_cdf for every row of cdf [n, m] (float64, unnormalised) at once: one uniform from each row's
-    generator, one batched binary search."""
+    """The index drawn from every row of cdf [n, m] (cumulative, unnormalised, float64) at once: one uniform from
+    each row's generator, one batched binary search; a row whose total is NaN, infinite or 0 (NaN logits: a broken
+    model or input) gets a RuntimeError instead, which fails that row alone."""
     total = cdf[:, -1]                                                                     # [n]
     u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators]) * total
     index = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
@@ -53,9 +45,9 @@ def draw_rows(cdf: torch.Tensor, generators: list[torch.Generator]) -> list[int 
     for r, value in enumerate(total.tolist()):
         if not value > 0 or value == float("inf"):
             out[r] = RuntimeError(f"cannot sample from probabilities that sum to {value} (NaN or infinite logits)")
-        elif out[r] > 0 and cdf[r, out[r]] == cdf[r, out[r] - 1]:   # u rounded up to the total: rare
-            while out[r] > 0 and cdf[r, out[r]] == cdf[r, out[r] - 1]:
-                out[r] -= 1
+            continue
+        while out[r] > 0 and cdf[r, out[r]] == cdf[r, out[r] - 1]:   # u rounded up to the total: the last token
+            out[r] -= 1                                                # with weight
     return out
 
 

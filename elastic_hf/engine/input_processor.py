@@ -93,9 +93,12 @@ class InputProcessor:
 
     def check_token_ids(self, params: SamplingParams) -> None:
         for name, ids in params.token_ids_to_check().items():
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequest(f"{name}: token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param=name)
+            self._check_in_vocabulary(ids, f"{name}: token ids", name)
+
+    def _check_in_vocabulary(self, ids: list[int], what: str, param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"{what} must be in [0, {self.vocab_size}), got {bad[:5]}", param=param)
 
     def tokenize_bad_words(self, params: SamplingParams) -> None:
         """Each bad word as the token sequences it can appear as: alone and after a space (vLLM's reading)."""
@@ -122,10 +125,7 @@ class InputProcessor:
                                  f"max_model_len={self.max_model_len}; ask for at most "
                                  f"{self.max_model_len - num_prompt} tokens", param="max_tokens",
                                  code="context_length_exceeded")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
-                                 param="prompt")
+        self._check_in_vocabulary(prompt_ids, "prompt token ids", "prompt")
 
     def check_request_cost(self, params: SamplingParams) -> None:
         """What one request may ask the engine to do: stop token ids checked per sampled token, and the tokens and

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from elastic_hf.engine.async_engine import AsyncEngine
 from elastic_hf.engine.request_stream import RequestStream
-from elastic_hf.engine.errors import EngineError, InvalidRequest
+from elastic_hf.engine.errors import EngineError
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.serving import protocol as p
 from elastic_hf.serving.errors import APIError, api_error_from_engine, validation_error
@@ -70,18 +70,11 @@ def check_max_tokens(max_tokens: int | None, max_model_len: int, name: str = "ma
                             f"max_model_len={max_model_len}", param=name)
 
 
-def sampling_params(req: p.SamplingRequest, max_tokens: int, defaults: dict, constraint=None) -> SamplingParams:
-    try:
-        return req.sampling_params(max_tokens, defaults, constraint)
-    except ValueError as exc:
-        raise api_error_from_engine(exc) from exc
-
-
 def request_checked(fn, *args):
-    """fn(*args), with an InvalidRequest (a field the request got wrong) as its 400."""
+    """fn(*args), with a ValueError (InvalidRequest: a field the request got wrong) as its 400."""
     try:
         return fn(*args)
-    except InvalidRequest as exc:
+    except ValueError as exc:
         raise api_error_from_engine(exc) from exc
 
 
@@ -124,7 +117,7 @@ def openai_router(async_engine: AsyncEngine, *, names: tuple[str, ...], tokenize
         defaults = async_engine.default_sampling
         max_tokens = defaults.get("max_tokens", 16) if req.max_tokens is None else req.max_tokens
         check_max_tokens(max_tokens, max_model_len)
-        params = sampling_params(req, max_tokens, defaults, request_checked(req.constraint))
+        params = request_checked(req.sampling_params, max_tokens, defaults, request_checked(req.constraint))
         prompts = req.prompts()
         if len(prompts) * params.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={params.n} = {len(prompts) * params.n} choices; "
@@ -176,7 +169,7 @@ def openai_router(async_engine: AsyncEngine, *, names: tuple[str, ...], tokenize
         defaults = async_engine.default_sampling
         fit = max_model_len - len(prompt_ids)
         max_tokens = requested if requested is not None else min(fit, defaults.get("max_tokens", fit))
-        params = sampling_params(req, max_tokens, defaults, constraint)
+        params = request_checked(req.sampling_params, max_tokens, defaults, constraint)
         if params.n > MAX_CHOICES:
             raise APIError(400, f"n={params.n} is beyond the limit of {MAX_CHOICES} choices per request", param="n")
         streams = await submit([prompt_ids], params, "chatcmpl")

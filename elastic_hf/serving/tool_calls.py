@@ -144,15 +144,15 @@ class ToolCallStream:
     def feed(self, delta: str, finished: bool = False) -> tuple[str | None, list[DeltaToolCall]]:
         self.text += delta
         if self.plan.mode == "named":
-            return None, self._stream_calls([(self.plan.function, 0, len(self.text) if finished else None)],
-                                            streaming_open=True)
+            return None, self._stream_calls([(self.plan.function, 0, None)])   # the whole output is arguments
         if self.plan.mode == "required":
-            return None, self._stream_calls(scan_required(self.text), streaming_open=True)
+            return None, self._stream_calls(scan_required(self.text))
         if self.plan.mode == "auto":
             return self._feed_auto(finished)
         return (delta or None), []
 
-    def _stream_calls(self, calls: list[tuple[str, int, int | None]], streaming_open: bool) -> list[DeltaToolCall]:
+    def _stream_calls(self, calls: list[tuple[str, int, int | None]]) -> list[DeltaToolCall]:
+        """calls: (name, arguments start, arguments end or None while open: all text so far is arguments)."""
         out = []
         for index, (name, start, end) in enumerate(calls):
             if index >= self.headers_sent:
@@ -161,7 +161,7 @@ class ToolCallStream:
                 self.headers_sent += 1
                 out.append(DeltaToolCall(index=index, id=self.ids[index], type="function",
                                          function=DeltaFunctionCall(name=name, arguments="")))
-            stop = end if end is not None else (len(self.text) if streaming_open else start)
+            stop = end if end is not None else len(self.text)
             fragment = self.text[start + self.arguments_sent[index]:stop]
             if fragment:
                 self.arguments_sent[index] += len(fragment)
