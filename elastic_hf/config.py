@@ -20,6 +20,8 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16
 GENERATION_CONFIG_MODES = ("auto", "vllm")   # or a directory holding a generation_config.json
 TP_POLICIES = ("static", "elastic")
 ROUTERS = ("elastic", "least_load", "round_robin")
+EXECUTOR_BACKENDS = ("mp", "ray")
+RAY_PLACEMENTS = ("pack", "spread")
 PACKED_WEIGHTS = ("auto", "on", "off")
 MORPH_MODES = ("off", "manual", "accuracy", "default", "performance")   # manual: only forced swaps
 CONTROLLER_MODES = ("accuracy", "default", "performance")
@@ -177,6 +179,12 @@ class EngineConfig:
     # "package.module.ClassName" mixed into every worker's class (vLLM's --worker-extension-cls): methods it adds
     # are RPC targets of Deployment.collective_rpc / the executor; tests use it for fault drills
     worker_extension_cls: str | None = None
+    # Where worker processes run (vLLM's --distributed-executor-backend): mp, processes of this host; ray, Ray actors
+    # on the nodes of a Ray cluster (parallel/ray_executor.py; pip install 'elastic-hf[ray]')
+    distributed_executor_backend: str = "mp"
+    ray_address: str | None = None       # Ray cluster to join ("auto", "host:6379"); None: RAY_ADDRESS or a local one
+    # pack: each instance of the starting topology on one node (STRICT_PACK); spread: workers over the nodes
+    ray_placement: str = "pack"
     # -- precision morphing
     morph: MorphConfig = field(default_factory=MorphConfig)
     # -- overload: which response acts when the KV demand exceeds the capacity (engine/overload.py): off (each
@@ -236,6 +244,7 @@ class EngineConfig:
                                                       or "." not in self.worker_extension_cls.strip(".")):
             raise ValueError(f"worker_extension_cls must name a class as 'package.module.ClassName', got "
                              f"{self.worker_extension_cls!r}")
+        self._check_executor()
         if isinstance(self.morph, str):
             self.morph = MorphConfig(mode=self.morph)
         elif isinstance(self.morph, dict):
@@ -267,6 +276,15 @@ class EngineConfig:
         if self.cost_profile is not None and not Path(self.cost_profile).is_file():
             raise ValueError(f"cost_profile={self.cost_profile!r} does not exist; create one with "
                              f"`elastic-hf profile-cost`")
+
+    def _check_executor(self) -> None:
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.ray_placement not in RAY_PLACEMENTS:
+            raise ValueError(f"ray_placement must be one of {RAY_PLACEMENTS}, got {self.ray_placement!r}")
+        if self.distributed_executor_backend != "ray" and self.ray_address is not None:
+            raise ValueError(f"ray_address={self.ray_address!r} needs distributed_executor_backend='ray'")
 
     def _check_packed_weights(self) -> None:
         if self.packed_weights not in PACKED_WEIGHTS:

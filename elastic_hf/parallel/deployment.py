@@ -26,7 +26,7 @@ from elastic_hf.kv.kv_manager import KVManager
 from elastic_hf.kv.prefix_cache import PrefixCache, hash_function, prompt_lookup_hashes
 from elastic_hf.layers.shard_layout import allowed_tp_degrees
 from elastic_hf.model.generation_defaults import generation_defaults
-from elastic_hf.model.loader import eos_token_ids, parse_dtype
+from elastic_hf.model.loader import eos_token_ids
 from elastic_hf.morph.builder import create_manager, swap_order
 from elastic_hf.morph.manager import MorphManager
 from elastic_hf.morph.metrics import MorphMetrics
@@ -37,8 +37,9 @@ from elastic_hf.parallel.overload_control import OverloadControl
 from elastic_hf.parallel.reshape import (RETIRED_COUNTERS, ReshapeAborted, ReshapeReport, resume_instances,
                                         run_reshape)
 from elastic_hf.parallel.executor import Executor
-from elastic_hf.parallel.worker import Worker, worker_class
-from elastic_hf.parallel.worker_pool import InProcessExecutor, MultiprocessExecutor, WorkerError
+from elastic_hf.parallel.executor_factory import start_executor
+from elastic_hf.parallel.worker import Worker
+from elastic_hf.parallel.worker_pool import WorkerError
 from elastic_hf.patches import get_adapter
 from elastic_hf.topology import InstanceShape, Topology, candidate_topologies, parse_topology
 from elastic_hf.units import ceil_div
@@ -83,7 +84,7 @@ class Deployment:
         self.pool: Executor | None = None   # the executor of the workers (parallel/executor.py)
         self.instances: list[Instance] = []
         try:
-            self.pool = self._start_pool()
+            self.pool = start_executor(config, str(checkpoint_dir), model_id, hf_config)
             self.tp1_blocks = self.pool.call(0, Worker.kv_capacity, 1, 0)  # "long": more than a TP1 instance holds
             self.max_model_len = self._max_model_len()
             self.input_processor = InputProcessor.for_config(config, tokenizer, hf_config.vocab_size,
@@ -104,16 +105,6 @@ class Deployment:
             raise
 
     # ------------------------------------------------------------------ assembly
-    def _start_pool(self) -> Executor:
-        if self.config.num_workers == 1:
-            worker = worker_class(self.config)(self.config, str(self.checkpoint_dir), model_id=self.model_id)
-            return InProcessExecutor(worker)
-        from elastic_hf.parallel.weight_store import SharedWeightStore
-
-        store = SharedWeightStore.from_checkpoint(self.checkpoint_dir, get_adapter(self.hf_config),
-                                                  self.hf_config.num_hidden_layers, parse_dtype(self.config.dtype))
-        return MultiprocessExecutor(self.config, str(self.checkpoint_dir), self.model_id, store)
-
     def check_topology(self, value) -> Topology:
         """The topology `value` names, if it is a candidate (layer splits of pipelined instances aside) whose
         splits fit the model; else ValueError naming what is allowed."""

@@ -1,8 +1,9 @@
 """The executor interface: how the control plane reaches the workers of a deployment (vLLM's Executor). Two
 implementations live in parallel/worker_pool.py: `InProcessExecutor` (the one worker of a single-worker model,
 called directly) and `MultiprocessExecutor` (one spawned process per worker, a pipe each, death detection and
-replacement). A multi-node executor (Ray actors placed by a placement group) plugs in here: it implements
-`collective_rpc`, `check_health`, `replace` and `shutdown`, and everything above works unchanged.
+replacement); the third, `RayExecutor` (parallel/ray_executor.py), runs the workers as Ray actors across nodes.
+Each implements `collective_rpc`, `check_health`, `replace` and `shutdown`, and everything above works unchanged
+(parallel/executor_factory.py picks one).
 
 Calls are typed: `collective_rpc(Worker.kv_capacity, (1, 0))` names the Worker method itself (a rename breaks at
 import, not at run time); a method of a worker's sub-object (MorphExecutor.sync) travels as its dotted RPC name
@@ -55,6 +56,24 @@ class Executor(ABC):
 
     # How long a step may take before its unanswered workers count as hung (step_timeout(num_tokens)); None: wait
     step_timeout_s: float | None = None
+
+    def _of_processes(self, config, checkpoint_dir: str, model_id: str) -> None:
+        """What an executor of worker processes keeps of its deployment (parallel/worker_pool.py, ray_executor.py)."""
+        self.config = config
+        self.checkpoint_dir = checkpoint_dir
+        self.model_id = model_id
+        self.num_workers = config.num_workers
+        self.crosses_processes = True
+        self.step_timeout_s = config.step_timeout_s
+
+    def _stop_threads_and_rendezvous(self) -> None:
+        """The last of an executor of worker processes' shutdown, after its workers are gone."""
+        if self.step_threads is not None:
+            self.step_threads.shutdown(wait=False)
+            self.step_threads = None
+        if getattr(self, "rendezvous", None) is not None:
+            self.rendezvous.close()
+            self.rendezvous = None
 
     @abstractmethod
     def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None,

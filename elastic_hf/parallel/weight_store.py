@@ -42,8 +42,10 @@ class SharedWeightStore:
         return self.buffer.numel() * self.buffer.element_size()
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: str | Path, adapter, num_layers: int,
-                        dtype: torch.dtype) -> "SharedWeightStore":
+    def from_checkpoint(cls, checkpoint_dir: str | Path, adapter, num_layers: int, dtype: torch.dtype,
+                        shared: bool = True) -> "SharedWeightStore":
+        """shared: the buffer in shared memory for forked workers to map; False: a plain buffer (a Ray node's store
+        hands it to the node's object store itself: parallel/ray_rendezvous.py)."""
         from safetensors import safe_open
 
         files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
@@ -65,7 +67,9 @@ class SharedWeightStore:
             shape = shapes[key][1]
             index[key] = (offset, shape)
             offset += shape[0] * shape[1]
-        buffer = torch.empty(offset, dtype=dtype).share_memory_()
+        buffer = torch.empty(offset, dtype=dtype)
+        if shared:
+            buffer.share_memory_()
         store = cls(buffer, index)
         by_file: dict[str, list[str]] = {}
         for name, key in wanted.items():

@@ -24,7 +24,6 @@ from elastic_hf.morph.executor import MorphExecutor, prepare_layer_store
 from elastic_hf.model.stage import StageSpec
 from elastic_hf.parallel.groups import ProcessGroups
 from elastic_hf.parallel.pipeline import StageLinks, run_pipeline_step
-from elastic_hf.parallel.rendezvous import join_store, pin_collectives_to_loopback
 from elastic_hf.parallel.shard_transform import ShardedWeights
 from elastic_hf.parallel.weight_store import SharedWeightStore
 from elastic_hf.parallel.worker_exchange import KVExchangeParticipant
@@ -47,9 +46,10 @@ def rss_anon_bytes() -> int:
 
 class Worker:
     def __init__(self, config: EngineConfig, checkpoint_dir: str, *, worker_id: int = 0, model_id: str = "",
-                 store: SharedWeightStore | None = None, rendezvous: tuple[int, str] | None = None):
-        """A deployment worker (config.num_workers > 1) joins the torch.distributed world of `rendezvous` (the
-        loopback store's port and the world's key prefix: parallel/rendezvous.py) and shards its weights with
+                 store: SharedWeightStore | None = None, rendezvous=None):
+        """A deployment worker (config.num_workers > 1) joins the torch.distributed world of `rendezvous` (a
+        LoopbackWorld of parallel/rendezvous.py, or a RayWorld of parallel/ray_rendezvous.py: a store to meet in and
+        the interface gloo/NCCL listen on) and shards its weights with
         ShardedWeights from the shared host `store`; a single worker places them whole."""
         if not 0 <= worker_id < config.num_workers:
             raise ValueError(f"worker_id must be in [0, {config.num_workers}), got {worker_id}")
@@ -92,13 +92,12 @@ class Worker:
         self.apply_stage()
 
     # ------------------------------------------------------------------ assembly helpers
-    def _join_world(self, rendezvous: tuple[int, str]) -> None:
+    def _join_world(self, rendezvous) -> None:
         import torch.distributed as dist
 
-        pin_collectives_to_loopback()
+        rendezvous.pin_interfaces()
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        port, prefix = rendezvous
-        dist.init_process_group(backend, store=join_store(port, prefix, self.config.start_timeout_s), rank=self.me,
+        dist.init_process_group(backend, store=rendezvous.store(self.config.start_timeout_s), rank=self.me,
                                 world_size=self.config.num_workers,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         self.groups = ProcessGroups(candidate_topologies(self.config.num_workers, self.degrees, with_standby=True),
@@ -264,7 +263,7 @@ class Worker:
             report["layer_store"] = self.morph.store.report()
         return report
 
-    def rejoin(self, rendezvous: tuple[int, str]) -> None:
+    def rejoin(self, rendezvous) -> None:
         """After a peer died: leave the broken world and join the new one with its replacement, rebuilding every
         candidate topology's group (the same collective order as at start)."""
         import torch.distributed as dist

@@ -18,7 +18,7 @@ import torch
 
 from elastic_hf.config import EngineConfig
 from elastic_hf.parallel.executor import Executor, resolve_method, rpc_name
-from elastic_hf.parallel.rendezvous import Rendezvous
+from elastic_hf.parallel.rendezvous import LoopbackWorld, Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,25 @@ class WorkerError(RuntimeError):
         self.method = method
         self.remote_traceback = remote_traceback
         self.failed_workers = [worker]   # every worker that failed the same collective call (this one first)
+
+
+def raise_first(errors: list[WorkerError]) -> None:
+    """Raise the first failure of a collective call, naming every worker that failed it."""
+    if errors:
+        errors[0].failed_workers = [e.worker for e in errors]
+        raise errors[0]
+
+
+def finish_collective(executor, method: str, workers, results: dict, errors: list[WorkerError], hung,
+                      timeout: float | None) -> list:
+    """The end of a collective call: workers without an answer by the deadline (hung, deadlocked, or waiting in a
+    collective on one that is) are ended, so the deployment replaces them and recomputes their instance's requests;
+    then the first failure is raised, or the results come back in the order of `workers`."""
+    for w in hung:
+        executor.kill(w)
+        errors.append(WorkerError(w, method, f"no answer within {timeout:.1f} s: ended as hung, to be replaced"))
+    raise_first(errors)
+    return [results[w] for w in workers]
 
 
 class InProcessExecutor(Executor):
@@ -86,38 +105,42 @@ def worker_context():
     return _context
 
 
-def _encode(result):
+def encode_result(result):
     # Logits cross the pipe as numpy: pickling a torch tensor through a spawn-context pipe would move it to shared
     # memory first, a much slower path for a per-step result. A tuple (logits, stats) is encoded item by item.
     if isinstance(result, torch.Tensor):
         return ("tensor", result.cpu().numpy())
     if isinstance(result, tuple):
-        return ("tuple", tuple(_encode(item) for item in result))
+        return ("tuple", tuple(encode_result(item) for item in result))
     return ("value", result)
 
 
-def _decode(payload):
+def decode_result(payload):
     kind, value = payload
     if kind == "tuple":
-        return tuple(_decode(item) for item in value)
+        return tuple(decode_result(item) for item in value)
     return torch.from_numpy(value) if kind == "tensor" else value
 
 
-def worker_main(conn, config: EngineConfig, checkpoint_dir: str, worker_id: int, model_id: str, store,
-                rendezvous: tuple[int, str]) -> None:
-    """Process entry: build the Worker, then serve `call(method, *args)` requests until 'shutdown' or EOF."""
+def prepare_worker_process(threads: int) -> None:
+    """What a worker process sets before it builds its Worker (the pipe pool's and the Ray actors' alike)."""
     logging.basicConfig(level=os.environ.get("ELASTIC_HF_WORKER_LOG", "WARNING"))
-    # Ctrl+C in a terminal signals the whole process group: the driver decides (a server drains first, a script
-    # closes the deployment), and a worker ends on its 'shutdown' call or when the driver's pipe closes.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threads = config.threads_per_worker or max(1, (os.cpu_count() or 1) // config.num_workers)
     torch.set_num_threads(threads)
     # No tqdm bars in workers: they print per process, and tqdm's multiprocessing lock would outlive os._exit.
     from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
+
+
+def worker_main(conn, config: EngineConfig, checkpoint_dir: str, worker_id: int, model_id: str, store,
+                rendezvous: LoopbackWorld) -> None:
+    """Process entry: build the Worker, then serve `call(method, *args)` requests until 'shutdown' or EOF."""
+    # Ctrl+C in a terminal signals the whole process group: the driver decides (a server drains first, a script
+    # closes the deployment), and a worker ends on its 'shutdown' call or when the driver's pipe closes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    prepare_worker_process(config.threads_per_worker or max(1, (os.cpu_count() or 1) // config.num_workers))
     from elastic_hf.parallel.worker import worker_class
 
-    hf_logging.disable_progress_bar()
     try:
         worker = worker_class(config)(config, checkpoint_dir, worker_id=worker_id, model_id=model_id, store=store,
                                       rendezvous=rendezvous)
@@ -132,7 +155,7 @@ def worker_main(conn, config: EngineConfig, checkpoint_dir: str, worker_id: int,
             break
         try:
             result = resolve_method(worker, method)(*args)
-            conn.send(("ok", _encode(result), None))
+            conn.send(("ok", encode_result(result), None))
         except BaseException as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         if method == "shutdown":
@@ -146,13 +169,8 @@ class MultiprocessExecutor(Executor):
     rendezvous: Rendezvous | None = None
 
     def __init__(self, config: EngineConfig, checkpoint_dir: str, model_id: str, store):
-        self.config = config
-        self.checkpoint_dir = checkpoint_dir
-        self.model_id = model_id
+        self._of_processes(config, checkpoint_dir, model_id)
         self.store = store
-        self.num_workers = config.num_workers
-        self.crosses_processes = True
-        self.step_timeout_s = config.step_timeout_s
         self._procs, self._conns = [], []
         self.rendezvous = Rendezvous(config.start_timeout_s)
         world = self.rendezvous.new_world()
@@ -169,7 +187,7 @@ class MultiprocessExecutor(Executor):
         # Instances step concurrently: one thread each, every one waiting on its workers' pipes.
         self.step_threads = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="elastic-hf-instance")
 
-    def _spawn(self, worker_id: int, world: tuple[int, str], config: EngineConfig | None = None):
+    def _spawn(self, worker_id: int, world: LoopbackWorld, config: EngineConfig | None = None):
         ctx = worker_context()
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker_main, daemon=True, name=f"elastic-hf-worker-{worker_id}",
@@ -191,7 +209,7 @@ class MultiprocessExecutor(Executor):
             raise WorkerError(worker, method, f"worker process died (exit code {code})") from exc
         if status != "ok":
             raise WorkerError(worker, method, result, remote_tb)
-        return _decode(result)
+        return decode_result(result)
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None,
                        timeout: float | None = None) -> list:
@@ -220,16 +238,8 @@ class MultiprocessExecutor(Executor):
                     results[w] = self._receive(w, method)
                 except WorkerError as exc:
                     errors.append(exc)
-        for w in pending.values():
-            # No answer by the deadline: hung (stopped, deadlocked, or waiting in a collective on one that is).
-            # Ended, so the deployment replaces it and recomputes its instance's requests; every worker that
-            # answered was read, so no late answer is left in a pipe to be taken for the next call's.
-            self.kill(w)
-            errors.append(WorkerError(w, method, f"no answer within {timeout:.1f} s: ended as hung, to be replaced"))
-        if errors:
-            errors[0].failed_workers = [e.worker for e in errors]
-            raise errors[0]
-        return [results[w] for w in workers]
+        # Every worker that answered was read, so no late answer is left in a pipe to be taken for the next call's.
+        return finish_collective(self, method, workers, results, errors, pending.values(), timeout)
 
     def check_health(self) -> list[int]:
         return [w for w, proc in enumerate(self._procs) if not proc.is_alive()]
@@ -274,9 +284,4 @@ class MultiprocessExecutor(Executor):
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
-        if self.step_threads is not None:
-            self.step_threads.shutdown(wait=False)
-            self.step_threads = None
-        if self.rendezvous is not None:
-            self.rendezvous.close()
-            self.rendezvous = None
+        self._stop_threads_and_rendezvous()

@@ -132,6 +132,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="initial layout instead of --tp: instances over consecutive workers, each a TP degree or "
                              "TPxPP with optional layers per stage, e.g. '1x2,1' or '1x2:16/14' (see /admin/topology; "
                              "default: workers / --tp instances of TP --tp)" + _OWN_DEFAULT)
+    parser.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
+                        help="where the workers run: mp, processes of this host; ray, Ray actors on the nodes of a "
+                             "Ray cluster (pip install 'elastic-hf[ray]'; see README 'Across machines') (default: "
+                             "mp)" + _OWN_DEFAULT)
+    parser.add_argument("--ray-address", default=None,
+                        help="Ray cluster to join with --distributed-executor-backend ray, e.g. 'auto' or "
+                             "'10.0.0.1:6379' (default: RAY_ADDRESS, else a local Ray started for this server)"
+                        + _OWN_DEFAULT)
+    parser.add_argument("--ray-placement", choices=("pack", "spread"), default=None,
+                        help="pack: the workers of each starting instance on one node (STRICT_PACK placement "
+                             "group); spread: the workers over the nodes (default: pack)" + _OWN_DEFAULT)
     parser.add_argument("--tp-policy", default="static", choices=("static", "elastic"),
                         help="elastic: merge instances x2 when a request needs more KV than one holds, split "
                              "back when no long request remains and load < 50%% (Gyges); static: never reshape "
@@ -222,7 +233,9 @@ def engine_config(args: argparse.Namespace):
                                                        "prefix_caching_hash_algo", "revision", "download_dir",
                                                        "tokenizer", "hf_token", "trust_remote_code",
                                                        "generation_config", "max_stop_token_ids",
-                                                       "max_request_output_cost", "step_timeout_s")
+                                                       "max_request_output_cost", "step_timeout_s",
+                                                       "distributed_executor_backend", "ray_address",
+                                                       "ray_placement")
                if getattr(args, name) is not None}
     return EngineConfig(model=args.model, num_workers=args.workers, topology=topology,
                         tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)

@@ -20,7 +20,8 @@ SERVE_FLAGS = ["--host", "--port", "--memory-budget", "--max-model-len", "--dtyp
                "--block-size", "--max-stop-strings", "--max-stop-string-chars", "--seed", "--chat-template",
                "--shutdown-timeout", "--request-timeout", "--device", "--enforce-eager", "--enable-prefix-caching",
                "--no-enable-prefix-caching", "--prefix-caching-hash-algo", "--enable-auto-tool-choice",
-               "--tool-call-parser", "--reasoning-parser"]
+               "--tool-call-parser", "--reasoning-parser", "--distributed-executor-backend", "--ray-address",
+               "--ray-placement"]
 
 
 def _cli() -> list[str]:
