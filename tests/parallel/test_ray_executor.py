@@ -137,3 +137,40 @@ def test_a_node_lost_mid_decode_is_replaced_on_the_remaining_node(two_nodes, tp_
         assert [o.outputs[0].token_ids for o in again] == [done[i] for i in ids[:2]]
     for rid, prompt in zip(ids, prompts):
         assert done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
+
+
+LOCAL_RAY_SCRIPT = """
+import sys, threading
+from elastic_hf import ElasticModel
+built = {}
+def build():
+    built["model"] = ElasticModel.from_pretrained(sys.argv[1], workers=2, distributed_executor_backend="ray",
+                                                  kv_cache_memory=1 << 20)
+thread = threading.Thread(target=build)   # as `elastic-hf serve` does: built on a thread that ends before close
+thread.start()
+thread.join()
+model = built["model"]
+print("TOKENS", model.generate(list(range(10, 30)), max_tokens=6, temperature=0.0).outputs[0].token_ids)
+model.close()
+"""
+
+
+def test_a_local_ray_outlives_the_thread_that_started_it_and_stops_with_the_model(tp_checkpoint):
+    """No cluster address: the deployment starts a local Ray (GCS, raylet, workers), which must survive the end of
+    the thread that built the model (Ray ties its processes to their starting thread) and stop on close, leaving no
+    process of the session behind."""
+    pytest.importorskip("ray")
+    import os
+    import subprocess
+
+    path = tp_checkpoint("kv3")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.Popen([sys.executable, "-c", LOCAL_RAY_SCRIPT, str(path)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-4000:]
+    with ElasticModel.from_pretrained(path) as model:
+        expected = model.generate(list(range(10, 30)), max_tokens=6, temperature=0.0).outputs[0].token_ids
+    assert f"TOKENS {expected}" in out, out[-2000:]
+    left = subprocess.run(["ps", "-o", "pid=,comm=", "-s", str(run.pid)], capture_output=True, text=True).stdout
+    assert not left.strip(), f"processes of the local Ray left behind:\n{left}"
