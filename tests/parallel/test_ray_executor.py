@@ -1,6 +1,7 @@
 """The Ray executor (parallel/ray_executor.py) on a two-node Ray cluster of one CPU each (ray.cluster_utils.Cluster,
 both nodes on this machine, each with its own raylet and object store): greedy tokens equal HF's across a TP and a
-PP reshape and a drop/restore cycle with the workers on different nodes, nothing re-prefilled, and a reshape that
+PP reshape and a drop/restore cycle with the workers on different nodes (and a worker morphs its own layers on its
+node), nothing re-prefilled, and a reshape that
 fails on the remote node before its commit point rolls back on both; a node that dies
 mid-decode is replaced on the remaining one and every request completes exactly, KV blocks all given back."""
 import sys
@@ -66,15 +67,22 @@ def _on_two_nodes(model) -> None:
     assert len(set(nodes)) == 2, nodes
 
 
-def test_two_node_deployment_reshapes_and_drops_across_nodes_exactly(two_nodes, tp_checkpoint, reference):
+def test_two_node_deployment_morphs_reshapes_and_drops_across_nodes_exactly(two_nodes, tp_checkpoint, reference):
     ref, tokenizer = reference
     prompts = mixed_prompts(tokenizer, 8, 6, 40, seed=41)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
     with ElasticModel.from_pretrained(tp_checkpoint("kv3"), workers=2, distributed_executor_backend="ray",
                                       ray_placement="spread", kv_cache_memory=KV, max_num_batched_tokens=48,
-                                      enable_prefix_caching=False) as model:   # counts every prompt token
+                                      enable_prefix_caching=False,   # counts every prompt token
+                                      morph="manual", morph_options={"use_cache": False, "w4_group_size": 32}) as model:
         _on_two_nodes(model)
         dep = model.deployment
+        before = model.memory_report()["workers"][1]
+        assert model.morph.to_precision("all", "w4", instance=1)["layer_counts"]["w4"] == 3   # worker 1's own node
+        after = model.memory_report()["workers"][1]
+        assert after["weights_bytes"] < before["weights_bytes"] and after["kv_blocks"] > before["kv_blocks"]
+        assert model.morph.state(0)["layer_counts"]["fp"] == 3
+        model.morph.to_precision("all", "fp", instance=1)
         done: dict[str, list[int]] = {}
         ids = [dep.add_request(None, p, params) for p in prompts[:4]]
         run_steps(dep, ids, done, num_steps=3)   # mid-decode on both instances, one on each node
