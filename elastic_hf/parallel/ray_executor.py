@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from elastic_hf.config import EngineConfig
 from elastic_hf.parallel.executor import Executor, resolve_method, rpc_name
-from elastic_hf.parallel.ray_rendezvous import NodeWeightStores, RayRendezvous, open_node_store
+from elastic_hf.parallel.ray_rendezvous import NodeStoreView, NodeWeightStores, RayRendezvous
 from elastic_hf.parallel.worker_pool import (WorkerError, decode_result, encode_result, finish_collective,
                                              prepare_worker_process, raise_first)
 from elastic_hf.topology import Topology
@@ -49,7 +49,7 @@ class RayWorker:
         from elastic_hf.model.loader import parse_dtype
         from elastic_hf.parallel.worker import worker_class
 
-        store = None if stores is None else open_node_store(stores, parse_dtype(config.dtype))
+        store = None if stores is None else NodeStoreView(stores, parse_dtype(config.dtype))
         self.worker = worker_class(config)(config, checkpoint_dir, worker_id=worker_id, model_id=model_id,
                                            store=store, rendezvous=world)
         self._ended = threading.Event()
@@ -83,7 +83,9 @@ class LocalRay:
         def run():
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
-                ray.init(include_dashboard=False, logging_level=logging.WARNING)
+                # "local": a new instance even where a `ray start` cluster runs on this machine (ray.init() alone
+                # would join that one; --ray-address auto does)
+                ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
             except BaseException as exc:  # re-raised in the caller
                 failure.append(exc)
             finally:

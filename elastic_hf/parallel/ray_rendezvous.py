@@ -214,6 +214,20 @@ class NodeWeightStores:
         self.stores.clear()   # Ray frees each node's copy with its last reference
 
 
+class NodeStoreView:
+    """A worker's host weight store, opened (open_node_store) at the first `get`: the worker loads its model while
+    the node's store is still being read (the first get comes when the shards are placed)."""
+
+    def __init__(self, candidates: list[list[ray.ObjectRef]], dtype: torch.dtype):
+        self._candidates, self._dtype = candidates, dtype
+        self._store: SharedWeightStore | None = None
+
+    def get(self, layer_idx: int, kind: str) -> torch.Tensor:
+        if self._store is None:
+            self._store = open_node_store(self._candidates, self._dtype)
+        return self._store.get(layer_idx, kind)
+
+
 def open_node_store(candidates: list[list[ray.ObjectRef]], dtype: torch.dtype) -> SharedWeightStore:
     """A worker's view of the host weight store: the first candidate that exists (its node's own, else a peer's,
     copied into this node's object store by Ray), its pages mapped read-only, no copy."""
