@@ -192,7 +192,8 @@ class RayExecutor(Executor):
         if self.config.threads_per_worker:
             return self.config.threads_per_worker
         cpus = next((n["Resources"].get("CPU", 1) for n in ray.nodes() if n["NodeID"] == node), 1)
-        here = sum(1 for w in range(self.num_workers) if self._bundles[w] and self._bundle_node(w) == node)
+        placed = [placement_group_table(group).get("bundles_to_node_id", {}) for group in self.groups]  # one read each
+        here = sum(1 for group, index in self._bundles if placed[self.groups.index(group)].get(index) == node)
         return max(1, int(cpus) // max(1, here))
 
     def _spawn(self, w: int, world, config: EngineConfig, wait_s: float = 0.0):
