@@ -2,8 +2,14 @@
 a static pipeline, a TP merge and precision morphing on the same 2 workers and the same KV budget per worker, plus
 the ablations of KunServe §5.3/§5.5 (blocking exchange, coordinated exchange, lookahead, no restore).
 
-    python benchmarks/param_drop.py [--num-requests 80 --kv-cache-memory 16MiB --configs dp,kunserve
+    python benchmarks/param_drop.py [--num-requests 80 --weight-share 0.5,0.3 --runs 3 --configs dp,pp,kunserve
                                      --cost-profile PATH --plot out/benchmarks/param_drop.png]
+
+The memory regime is the papers' (benchmarks/regime.py): each worker's KV budget is sized from its measured weights
+so that the weights are --weight-share of weights + KV (default 0.5, then 0.3; KunServe §5.1: 34-74 %).
+--kv-cache-memory sets the KV bytes directly instead (the old 16 MiB default put the weights at ~97 %, where any
+freed layer multiplied the capacity ten-fold). Static PP 1x2 is the honest control for dropping: the same capacity
+during the burst, no elasticity.
 
 How the workload is chosen (every rule prints its numbers):
 
@@ -13,7 +19,12 @@ How the workload is chosen (every rule prints its numbers):
   restore both happen) and no idle gap longer than max(10 %, 3 mean inter-arrivals) of the window's span (a long
   idle gap would make any burst look large relative to the mean while the replay mostly sleeps).
 - Lengths: prompts x --prompt-scale and outputs x --output-scale, capped so every request (prompt + output) takes at
-  most 80 % of one data-parallel instance's KV: every request's KV stays resident on one DP instance.
+  most 80 % of one data-parallel instance's KV: every request's KV stays resident on one DP instance. Outputs are
+  scaled up (x8, cap 384) because a 2-core CPU prefills at ~3 ms a token: with the trace's short outputs (x2, cap
+  96) holding 55 % of the papers'-regime KV needs the prefill at >= 90 % of the instances' time, so the queue
+  grows for compute, not memory (measured: mean KV demand 6 % of the DP capacity at weight share 0.5), and no
+  memory mechanism can help. Longer outputs hold more KV per unit of compute (a decode step at batch 64 costs
+  3.3x one at batch 1).
 - Time scale (KunServe §5.1: the mean memory demand stays below 60 % of the memory): the mean arrival rate r is
   solved so that the mean KV demand (Little's law: r x the mean KV token-seconds of a request) is --target-util
   (55 %) of the DP capacity. A request's KV token-seconds are its prefill time x its prompt plus its decode time x
@@ -30,8 +41,9 @@ How the workload is chosen (every rule prints its numbers):
   concurrency), so a lull between two arrivals inside the burst does not restore and re-drop.
 
 Every config is a fresh 2-worker ElasticModel behind the OpenAI app in this process (uvicorn in a thread), replayed
-open loop (benchmarks/replay.py), one after another. Prints a table per config, ratios vs dp, the DP decode step time
-vs batch size (memory- or compute-bound), `RESULT` lines and a plot of TTFT over arrival time with the drop / merge /
+open loop (benchmarks/replay.py), one after another, --runs times alternating configs; tables give medians with
+[min-max] and ratios are taken per run (run i of each config) before the median. Prints a table per config, ratios vs
+dp, the DP decode step time vs batch size (memory- or compute-bound), `RESULT` lines and a plot of TTFT over arrival time with the drop / merge /
 restore moments and the KV demand and capacity. Longer than 400 lines because the workload rules, the DP calibration
 they rest on, the eight configs and their report form one runnable script."""
 from __future__ import annotations
@@ -45,7 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,15 +65,19 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import InProcessServer, machine_description, result_path, wikitext_prompts  # noqa: E402
+from regime import (add_weight_share_arg, kv_bytes_for_share, measured_weights_bytes, median,  # noqa: E402
+                    median_spread, parse_weight_shares, share_label)
 from replay import (TRACE_NAME, ReplayReport, ReplayRequest, TraceRow, TraceScale, build_requests,  # noqa: E402
                     load_trace, run_replay, scale_trace, time_scale_for_rate)
 
 CONFIGS = ("dp", "pp", "tp-merge", "morph", "kunserve", "+drop", "+exchange", "no-restore")
 ALIASES = {"+lookahead": "kunserve"}
 DROP_CONFIGS = ("kunserve", "+drop", "+exchange", "no-restore")
-STEP_BATCHES = (1, 2, 4, 8, 16, 32)
+STEP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 REQUEST_KV_SHARE = 0.8      # a request (prompt + output) takes at most this share of one DP instance's KV
-CALIBRATION_KV_BLOCKS = 136  # the calibration deployment's KV per worker: 32 sequences of ~45 tokens on one instance
+CALIBRATION_KV_BLOCKS = 256  # the calibration deployment's KV per worker: 64 sequences of ~45 tokens on one instance
+PREFILL_UTIL_CAP = 0.9      # the rate solver's cap on the prefill share of an instance's time
+MAX_NUM_SEQS = 256          # per instance (vLLM's default): KV, not a sequence cap, bounds the batch
 RESTORE_HOLD_ARRIVALS = 2.0  # restore after about this many mean inter-arrival times of low demand
 COOLDOWN_ARRIVALS = 5.0
 
@@ -240,35 +256,34 @@ def unloaded_latency(server: InProcessServer, tokenizer, prompt_tokens: int, out
     return statistics.median(ttfts), statistics.median(tpots) if tpots else float("nan")
 
 
-def calibrate(args, bar, probe_lengths) -> tuple[Calibration, int]:
-    """Loads a DP deployment with room for the step table, measures it and its unloaded latency; returns the
-    calibration and the DP instance capacity (blocks) under --kv-cache-memory."""
+def calibrate(args, bar, long_prompt: int, probe: tuple[int, int]) -> tuple[Calibration, int]:
+    """Loads a DP deployment with room for the step table, measures it and its unloaded latency of a `probe`
+    (prompt, output) request; returns the calibration and a TP1 worker's committed weight bytes."""
     from elastic_hf import ElasticModel
 
     bar.set_description("loading calibration (dp)")
     model = ElasticModel.from_pretrained(None, workers=2, topology=(1, 1), dtype=args.dtype,
+                                         max_num_seqs=max(STEP_BATCHES),
                                          kv_cache_memory=CALIBRATION_KV_BLOCKS * block_bytes_guess(args.dtype))
     try:
         dep = model.deployment
         block_bytes = model.memory_report()["workers"][0]["kv_block_bytes"]
-        instance_blocks = args.kv_cache_memory // block_bytes
+        weights = measured_weights_bytes(model)
         model.generate([[1, 2, 3]] * 2, max_tokens=2)   # warm-up
         bar.set_description("calibration: decode steps")
         steps = decode_step_table(dep, model.tokenizer, STEP_BATCHES)
-        cap_p, cap_o = probe_lengths(instance_blocks * dep.config.block_size)
         bar.set_description("calibration: prefill")
-        short, long_ = 32, max(64, cap_p)
+        short, long_ = 32, max(64, long_prompt)
         pre = prefill_times(dep, model.tokenizer, [short, long_])
         per_token = max(0.0, (pre[long_] - pre[short]) / (long_ - short))
         fixed = max(0.0, pre[short] - per_token * short)
         bar.set_description("calibration: unloaded latency")
         server = InProcessServer(lambda: model)   # its steps run in the worker processes
         try:
-            probe = probe_lengths(None)
             ttft, tpot = unloaded_latency(server, model.tokenizer, *probe)
         finally:
             server.stop()
-        return Calibration(steps, fixed, per_token, ttft, tpot, block_bytes, probe), instance_blocks
+        return Calibration(steps, fixed, per_token, ttft, tpot, block_bytes, probe), weights
     finally:
         model.close()
 
@@ -288,7 +303,7 @@ def solve_rate(rows: list[TraceRow], cal: Calibration, capacity_tokens: int, uti
     prefill = [cal.prefill_s(r.prompt_tokens) for r in rows]
     rate, concurrency = 1.0, 2.0
     for _ in range(100):
-        rho = min(0.9, rate / 2 * statistics.mean(prefill))   # prefill share of each instance's time
+        rho = min(PREFILL_UTIL_CAP, rate / 2 * statistics.mean(prefill))   # prefill share of each instance's time
         tpot = cal.step_at(max(1.0, concurrency / 2)) / (1 - rho)
         kv_seconds = [p * (r.prompt_tokens + pad) + (r.output_tokens - 1) * tpot
                       * (r.prompt_tokens + r.output_tokens / 2 + pad) for r, p in zip(rows, prefill)]
@@ -305,7 +320,8 @@ def solve_rate(rows: list[TraceRow], cal: Calibration, capacity_tokens: int, uti
 
 # ---------------------------------------------------------------- configs
 def config_options(name: str, args, hysteresis: dict, cost_profile: str | None) -> dict:
-    base = {"workers": 2, "kv_cache_memory": args.kv_cache_memory, "dtype": args.dtype, "seed": args.seed}
+    base = {"workers": 2, "kv_cache_memory": args.kv_cache_memory, "dtype": args.dtype, "seed": args.seed,
+            "max_num_seqs": MAX_NUM_SEQS}
     if name == "dp":
         return {**base, "topology": (1, 1), "overload": "off"}
     if name == "pp":
@@ -451,53 +467,111 @@ def fmt(value: float, digits: int = 3) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
-def print_results(runs: dict[str, Run], slo: tuple[float, float]) -> None:
-    print(f"\n{'config':<11}{'TTFT p50':>9}{'p99':>8}{'TPOT p50':>9}{'p99':>8}{'SLO':>7}{'tok/s':>7}{'drops':>6}"
-          f"{'rest.':>6}{'merge':>6}{'preem':>6}{'xchg MiB':>9}{'xchg s':>7}{'reshp s':>8}{'bubble':>7}  topology")
-    for name, run in runs.items():
-        r, c = run.report, run.counts
-        print(f"{name:<11}{fmt(r.ttft(50)):>9}{fmt(r.ttft(99)):>8}{fmt(r.tpot(50), 4):>9}{fmt(r.tpot(99), 4):>8}"
-              f"{100 * r.slo_attainment:>6.1f}%{r.output_throughput:>7.1f}{c['drops']:>6}{c['restores']:>6}"
-              f"{c['merges']:>6}{int(c['preemptions']):>6}{c['exchange_bytes'] / 2 ** 20:>9.1f}"
-              f"{c['exchange_s']:>7.2f}{c['reshape_s']:>8.2f}{fmt(c['bubble']):>7}  "
-              f"{run.topology}->{c['final_topology']}")
-    print(f"SLO: TTFT <= {slo[0]:.3f} s and TPOT <= {slo[1]:.4f} s; xchg: coordinated KV exchange bytes / seconds "
-          f"(a blocking exchange moves its KV inside the reshape: reshp s); bubble: 1 - busy / wall over every stage "
-          f"of every pipelined step ('-': never pipelined)")
-    for name, run in runs.items():
-        c = run.counts
+def print_results(runs: dict[str, list[Run]], slo: tuple[float, float]) -> None:
+    """Medians over the runs ([min-max] for the P99 TTFT and the P50 TPOT)."""
+    def med(name, f):
+        return median([f(run) for run in runs[name]])
+
+    print(f"\n{'config':<11}{'TTFT p50':>9}{'TTFT p99 [spread]':>24}{'TPOT p50 [spread]':>27}{'p99':>8}{'SLO':>7}"
+          f"{'tok/s':>7}{'drops':>6}{'rest.':>6}{'merge':>6}{'preem':>6}{'xchg MiB':>9}{'xchg s':>7}{'reshp s':>8}"
+          f"{'bubble':>7}  topology")
+    for name, group in runs.items():
+        c0 = group[0].counts
+        print(f"{name:<11}{fmt(med(name, lambda r: r.report.ttft(50))):>9}"
+              f"{median_spread([r.report.ttft(99) for r in group]):>24}"
+              f"{median_spread([r.report.tpot(50) for r in group], 4):>27}"
+              f"{fmt(med(name, lambda r: r.report.tpot(99)), 4):>8}"
+              f"{100 * med(name, lambda r: r.report.slo_attainment):>6.1f}%"
+              f"{med(name, lambda r: r.report.output_throughput):>7.1f}"
+              + "".join(f"{med(name, lambda r, k=k: r.counts[k]):>6.0f}"
+                        for k in ("drops", "restores", "merges", "preemptions"))
+              + f"{med(name, lambda r: r.counts['exchange_bytes']) / 2 ** 20:>9.1f}"
+                f"{med(name, lambda r: r.counts['exchange_s']):>7.2f}{med(name, lambda r: r.counts['reshape_s']):>8.2f}"
+                f"{fmt(med(name, lambda r: r.counts['bubble'])):>7}  {group[0].topology}->{c0['final_topology']}")
+    print(f"medians over {len(next(iter(runs.values())))} run(s) per config, alternating; SLO: TTFT <= {slo[0]:.3f} s "
+          f"and TPOT <= {slo[1]:.4f} s; xchg: coordinated KV exchange bytes / seconds (a blocking exchange moves its "
+          f"KV inside the reshape: reshp s); bubble: 1 - busy / wall over every stage of every pipelined step ('-': "
+          f"never pipelined)")
+    for name, group in runs.items():
         extra = []
-        if c["refused"]:
-            extra.append(f"{c['refused']} refused/rolled back")
-        if c["reshape_kv_bytes"]:
-            extra.append(f"reshape KV moved {c['reshape_kv_bytes'] / 2 ** 20:.1f} MiB")
-        if c["reshape_preempted"]:
-            extra.append(f"{c['reshape_preempted']} requests preempted by reshapes")
-        if c["morph_swaps"]:
-            extra.append(f"{int(c['morph_swaps'])} morph layer swaps")
-        failed = len(run.report.results) - len(run.report.ok)
-        if failed:
-            extra.append(f"{failed} failed requests")
-        if extra:
-            print(f"  {name}: " + ", ".join(extra))
-    ablation = [(label, runs[name]) for label, name in (("+drop", "+drop"), ("+exchange", "+exchange"),
-                                                         ("+lookahead", "kunserve"), ("no-restore", "no-restore"))
+        for run in group:
+            c = run.counts
+            bits = []
+            if c["refused"]:
+                bits.append(f"{c['refused']} refused/rolled back")
+            if c["reshape_kv_bytes"]:
+                bits.append(f"reshape KV moved {c['reshape_kv_bytes'] / 2 ** 20:.1f} MiB")
+            if c["reshape_preempted"]:
+                bits.append(f"{c['reshape_preempted']} requests preempted by reshapes")
+            if c["morph_swaps"]:
+                bits.append(f"{int(c['morph_swaps'])} morph layer swaps")
+            failed = len(run.report.results) - len(run.report.ok)
+            if failed:
+                bits.append(f"{failed} failed requests")
+            extra.append(", ".join(bits) or "-")
+        if any(e != "-" for e in extra):
+            print(f"  {name}: " + " | ".join(extra))
+    ablation = [(label, name) for label, name in (("+drop", "+drop"), ("+exchange", "+exchange"),
+                                                   ("+lookahead", "kunserve"), ("no-restore", "no-restore"))
                 if name in runs]
     if len(ablation) > 1:
         print("\nablation (KunServe §5.3, §5.5): blocking exchange -> coordinated exchange -> lookahead "
               "micro-batches (= kunserve) -> without restore")
-        for label, run in ablation:
-            r = run.report
-            print(f"  {label:<11} TTFT p50 {fmt(r.ttft(50))} p99 {fmt(r.ttft(99))}  TPOT p50 {fmt(r.tpot(50), 4)} "
-                  f"p99 {fmt(r.tpot(99), 4)}  SLO {100 * r.slo_attainment:.1f}%  bubble {fmt(run.counts['bubble'])}")
-    if "dp" in runs:
-        dp = runs["dp"].report
-        print("\nratios vs dp (P99 TTFT gain = dp / config; P50 TPOT ratio = config / dp; throughput = config / dp):")
-        for name, run in runs.items():
-            r = run.report
-            print(f"  {name:<11} P99 TTFT gain {dp.ttft(99) / max(r.ttft(99), 1e-9):7.2f}x   P50 TPOT ratio "
-                  f"{r.tpot(50) / max(dp.tpot(50), 1e-9):6.2f}   P99 TPOT ratio {r.tpot(99) / max(dp.tpot(99), 1e-9):6.2f}"
-                  f"   throughput {r.output_throughput / max(dp.output_throughput, 1e-9):5.2f}")
+        for label, name in ablation:
+            group = runs[name]
+            print(f"  {label:<11} TTFT p99 {median_spread([r.report.ttft(99) for r in group])}  TPOT p50 "
+                  f"{median_spread([r.report.tpot(50) for r in group], 4)}  SLO "
+                  f"{100 * med(name, lambda r: r.report.slo_attainment):.1f}%  bubble "
+                  f"{fmt(med(name, lambda r: r.counts['bubble']))}")
+    for base in ("dp", "pp"):
+        if base not in runs:
+            continue
+        print(f"\nratios vs {base}, per run then median [min-max] (P99 TTFT gain = {base} / config; P50 TPOT gain = "
+              f"{base} / config; throughput = config / {base}):")
+        for name in runs:
+            print(f"  {name:<11} P99 TTFT gain {median_spread(paired(runs, base, name, ttft99_gain)):>20}   "
+                  f"P50 TPOT gain {median_spread(paired(runs, base, name, tpot50_gain)):>20}   throughput "
+                  f"{median_spread(paired(runs, name, base, throughput_ratio))}")
+
+
+def ttft99_gain(base: Run, other: Run) -> float:
+    return base.report.ttft(99) / max(other.report.ttft(99), 1e-9)
+
+
+def tpot50_gain(base: Run, other: Run) -> float:
+    return base.report.tpot(50) / max(other.report.tpot(50), 1e-9)
+
+
+def throughput_ratio(a: Run, b: Run) -> float:
+    return a.report.output_throughput / max(b.report.output_throughput, 1e-9)
+
+
+def paired(runs: dict[str, list[Run]], a: str, b: str, f) -> list[float]:
+    """f(run of a, run of b) for each run index (the configs alternate, so run i of each shares the machine's
+    state)."""
+    return [f(x, y) for x, y in zip(runs[a], runs[b])]
+
+
+def print_result_lines(runs: dict[str, list[Run]], suffix: str) -> None:
+    def result(name, values):
+        print(f"RESULT {name}_{suffix} {median(values):.4g}")
+
+    if "dp" in runs and "kunserve" in runs:
+        result("kunserve_p99_ttft_gain_vs_dp", paired(runs, "dp", "kunserve", ttft99_gain))
+        result("kunserve_p50_tpot_gain_vs_dp", paired(runs, "dp", "kunserve", tpot50_gain))
+    if "pp" in runs and "kunserve" in runs:
+        result("kunserve_p99_ttft_gain_vs_static_pp", paired(runs, "pp", "kunserve", ttft99_gain))
+        result("kunserve_p50_tpot_gain_vs_static_pp", paired(runs, "pp", "kunserve", tpot50_gain))
+    if "kunserve" in runs:
+        result("lookahead_bubble_ratio", [r.counts["bubble"] for r in runs["kunserve"]])
+    if "+exchange" in runs:
+        result("token_count_bubble_ratio", [r.counts["bubble"] for r in runs["+exchange"]])
+    for name, group in runs.items():
+        result(f"{name.replace('+', 'plus_').replace('-', '_')}_p99_ttft_s", [r.report.ttft(99) for r in group])
+
+
+def median_run(group: list[Run]) -> Run:
+    return sorted(group, key=lambda r: r.report.ttft(99))[len(group) // 2]
 
 
 def main(argv=None) -> int:
@@ -506,7 +580,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=80, help="consecutive trace rows around the largest burst")
-    ap.add_argument("--kv-cache-memory", default="16MiB", help="KV bytes per worker as a DP instance (all configs)")
+    add_weight_share_arg(ap)
+    ap.add_argument("--kv-cache-memory", default=None,
+                    help="KV bytes per worker as a DP instance for every config, instead of --weight-share")
+    ap.add_argument("--runs", type=int, default=3, help="replays per config and regime, alternating configs")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"comma-separated subset of {', '.join(CONFIGS)} (+lookahead = kunserve)")
     ap.add_argument("--cost-profile", default=None,
@@ -514,18 +591,23 @@ def main(argv=None) -> int:
                          "into a temp dir)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt windows and the engines")
     ap.add_argument("--plot", default=str(result_path("param_drop.png")),
-                    help="TTFT over arrival time per config ('' for none)")
+                    help="TTFT over arrival time per config, median run, one file per regime ('' for none)")
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     ap.add_argument("--prompt-scale", type=float, default=1 / 16, help="factor on trace prompt tokens")
-    ap.add_argument("--output-scale", type=float, default=2.0, help="factor on trace output tokens")
+    ap.add_argument("--output-scale", type=float, default=8.0, help="factor on trace output tokens")
     ap.add_argument("--max-prompt-tokens", type=int, default=256, help="prompt cap (shrunk to fit an instance)")
-    ap.add_argument("--max-output-tokens", type=int, default=96, help="output cap (shrunk to fit an instance)")
+    ap.add_argument("--max-output-tokens", type=int, default=384, help="output cap (shrunk to fit an instance)")
     ap.add_argument("--target-util", type=float, default=0.55, help="mean KV demand / DP capacity (KunServe: < 60%%)")
     ap.add_argument("--slo-scale", type=float, default=5.0, help="SLO = this x the DP's unloaded TTFT / TPOT")
     ap.add_argument("--restore-wait", type=float, default=30.0,
                     help="seconds to wait after the replay for a drop / merge still in effect to restore")
     args = ap.parse_args(argv)
-    args.kv_cache_memory = parse_memory_budget(args.kv_cache_memory, None)
+    try:
+        shares = parse_weight_shares(args.weight_share)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.runs < 1:
+        ap.error(f"--runs must be >= 1, got {args.runs}")
     configs = []
     for name in (c.strip() for c in args.configs.split(",") if c.strip()):
         name = ALIASES.get(name, name)
@@ -543,125 +625,139 @@ def main(argv=None) -> int:
           f"{window.sub} arrivals {window.peak_rate:.1f} req/s at row +{window.peak_offset} "
           f"(burst factor {window.burst_factor:.1f}x the mean)")
 
-    cost_profile = args.cost_profile
-    threads = max(1, (os.cpu_count() or 2) // 2)
-    with tqdm(total=len(configs) + 1 + (cost_profile is None and any(c in DROP_CONFIGS for c in configs)),
-              desc="param_drop", unit="phase") as bar:
-        if cost_profile is None and any(c in DROP_CONFIGS for c in configs):
-            bar.set_description("profile-cost (small grid)")
-            out_dir = tempfile.mkdtemp(prefix="param_drop_")
-            cost_profile = str(Path(out_dir) / "cost-profile.json")
-            exe = Path(sys.executable).with_name("elastic-hf")
-            cmd = [str(exe), "profile-cost", "--grid", "small", "--threads", str(threads), "--dtype", args.dtype,
-                   "--out", cost_profile, "--no-progress"]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                print(done.stdout + done.stderr, file=sys.stderr)
-                raise SystemExit(f"`{' '.join(cmd)}` failed with exit code {done.returncode}")
-            tqdm.write(f"cost profile: {cost_profile} ({' '.join(cmd[1:])})\n  "
-                       + "\n  ".join(done.stdout.strip().splitlines()[-3:]))
-            bar.update()
-        elif cost_profile is not None:
+    regimes = [None] if args.kv_cache_memory is not None else shares
+    phases = 1 + len(regimes) * len(configs) * args.runs
+    want_profile = args.cost_profile is None and any(c in DROP_CONFIGS for c in configs)
+    with tqdm(total=phases + want_profile, desc="param_drop", unit="phase") as bar:
+        cost_profile = profile_cost(args, bar) if want_profile else args.cost_profile
+        if not want_profile and cost_profile is not None:
             tqdm.write(f"cost profile: {cost_profile} (given)")
-
-        scaled: dict = {}
-
-        def lengths(instance_tokens):
-            """Caps from the DP instance's capacity (first call); later calls: the median request of the window."""
-            if instance_tokens is not None:
-                cap_p, cap_o = length_caps(args, instance_tokens)
-                scaled["scale"] = TraceScale(1.0, args.prompt_scale, args.output_scale, cap_p, cap_o)
-                scaled["rows"] = scale_trace(window.rows, scaled["scale"])
-                return cap_p, cap_o
-            rows = scaled["rows"]
-            return (int(statistics.median(r.prompt_tokens for r in rows)),
-                    max(16, int(statistics.median(r.output_tokens for r in rows))))
-
-        cal, instance_blocks = calibrate(args, bar, lengths)
+        unbound = TraceScale(1.0, args.prompt_scale, args.output_scale, args.max_prompt_tokens,
+                             args.max_output_tokens)
+        unbound_rows = scale_trace(window.rows, unbound)
+        probe = (int(statistics.median(r.prompt_tokens for r in unbound_rows)),
+                 max(16, int(statistics.median(r.output_tokens for r in unbound_rows))))
+        cal, weights = calibrate(args, bar, args.max_prompt_tokens, probe)
         bar.update()
-        block = 16
-        capacity_tokens = 2 * instance_blocks * block
-        rows = scaled["rows"]
-        sol = solve_rate(rows, cal, capacity_tokens, args.target_util, block)
-        scale = replace(scaled["scale"], time_scale=time_scale_for_rate(rows, sol["rate"]))
-        rows = scale_trace(window.rows, scale)
-        from transformers import AutoTokenizer
-
-        from elastic_hf.model.loader import resolve_model
-
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir)
-        requests = build_requests(rows, tokenizer, seed=args.seed)
+        print_calibration(cal, weights)
         slo = (args.slo_scale * cal.unloaded_ttft_s, args.slo_scale * cal.unloaded_tpot_s)
-        mean_gap = rows[-1].arrival_s / max(len(rows) - 1, 1)
-        step = cal.step_at(max(1.0, sol["concurrency"] / 2)) / (1 - sol["prefill_util"])
-        hysteresis = {"hold_steps": 2, "restore_below": 0.5,
-                      "restore_hold_steps": max(8, round(RESTORE_HOLD_ARRIVALS * mean_gap / step)),
-                      "cooldown_steps": max(16, round(COOLDOWN_ARRIVALS * mean_gap / step))}
-
-        table = "  ".join(f"b={b}: {1e3 * s:.1f}" for b, s in cal.step_s.items())
-        flat = cal.step_s[max(cal.step_s)] / cal.step_s[min(cal.step_s)]
-        knee = next((b for b, s in cal.step_s.items() if s > 1.5 * cal.step_s[min(cal.step_s)]), None)
-        verdict = ("memory-bound over the whole range (step time roughly flat in batch)" if knee is None else
-                   f"memory-bound up to b~{knee // 2 if knee > 1 else 1}, compute-bound from b={knee} (step time "
-                   f"grows with batch)")
-        tqdm.write(f"DP decode step (ms, one instance, through the engine): {table}; b={max(cal.step_s)} costs "
-                   f"{flat:.2f}x b=1 -> {verdict}")
-        tqdm.write(f"DP prefill alone: {1e3 * cal.prefill_fixed_s:.0f} ms + {1e3 * cal.prefill_per_token_s:.2f} ms "
-                   f"per prompt token; KV block {cal.block_bytes} B")
-        tqdm.write(f"DP capacity: {instance_blocks} blocks per instance = {instance_blocks * block} tokens, "
-                   f"{capacity_tokens} tokens over both ({args.kv_cache_memory / 2 ** 20:.1f} MiB per worker)")
-        tqdm.write(f"lengths: {scale.describe()}: prompt mean {statistics.mean(r.prompt_tokens for r in rows):.0f}, "
-                   f"output mean {statistics.mean(r.output_tokens for r in rows):.1f}; every request <= "
-                   f"{int(REQUEST_KV_SHARE * 100)} % of one instance")
-        burst = rows[window.peak_offset:window.peak_offset + window.sub]
-        burst_tokens = sum(r.prompt_tokens + r.output_tokens for r in burst)
-        tqdm.write(f"time scale x{scale.time_scale:.3g}: mean {sol['rate']:.3f} req/s over {rows[-1].arrival_s:.1f} s "
-                   f"-> target mean KV demand {100 * args.target_util:.0f} % of the DP capacity (est. concurrency "
-                   f"{sol['concurrency']:.1f}, TPOT {1e3 * sol['tpot_s']:.0f} ms, prefill utilisation "
-                   f"{100 * sol['prefill_util']:.0f} %, {sol['kv_token_seconds']:.0f} KV token-s per request, a request "
-                   f"lasts ~{sol['duration_s']:.1f} s unloaded); the peak brings {len(burst)} requests holding up to "
-                   f"{burst_tokens} KV tokens ({100 * burst_tokens / capacity_tokens:.0f} % of the DP capacity) "
-                   f"within {burst[-1].arrival_s - burst[0].arrival_s:.1f} s")
         tqdm.write(f"SLO ({args.slo_scale:g}x the DP's unloaded latency of a {cal.probe[0]}-token prompt, "
                    f"{cal.probe[1]} outputs: TTFT {cal.unloaded_ttft_s:.3f} s, TPOT {cal.unloaded_tpot_s:.4f} s): "
                    f"TTFT <= {slo[0]:.3f} s, TPOT <= {slo[1]:.4f} s")
-        tqdm.write(f"hysteresis (drop / merge configs): {hysteresis} (decode step at the expected load "
-                   f"~{1e3 * step:.0f} ms, mean inter-arrival {mean_gap:.2f} s)")
+        outcomes = []
+        for share in regimes:
+            if share is None:
+                kv = parse_memory_budget(args.kv_cache_memory, None)
+                share = weights / (weights + kv)
+            else:
+                kv = kv_bytes_for_share(weights, share)
+            regime_args = argparse.Namespace(**{**vars(args), "kv_cache_memory": kv})
+            requests, capacity_tokens, hysteresis = plan_regime(regime_args, window, cal, weights, share)
+            runs: dict[str, list[Run]] = {name: [] for name in configs}
+            for r in range(args.runs):
+                for name in configs:
+                    run = run_config(name, regime_args, requests, slo, hysteresis, cost_profile, bar)
+                    runs[name].append(run)
+                    c = run.counts
+                    demand = run.timeline.mean_demand(run.t0, run.t_end)
+                    tqdm.write(f"[weight share {share:.2f}, run {r + 1}/{args.runs}, {name}] "
+                               f"{run.report.summary().splitlines()[2]}; drops {c['drops']} restores "
+                               f"{c['restores']} merges {c['merges']} preemptions {int(c['preemptions'])}; KV "
+                               f"capacity at start {run.capacity_tokens} tokens; mean KV demand "
+                               f"{100 * demand / capacity_tokens:.0f} % of the DP capacity")
+                    bar.update()
+            outcomes.append((share, runs, capacity_tokens))
 
-        runs: dict[str, Run] = {}
-        for name in configs:
-            run = runs[name] = run_config(name, args, requests, slo, hysteresis, cost_profile, bar)
-            c = run.counts
-            demand = run.timeline.mean_demand(run.t0, run.t_end)
-            tqdm.write(f"[{name}] {run.report.summary().splitlines()[2]}; drops {c['drops']} restores "
-                       f"{c['restores']} merges {c['merges']} preemptions {int(c['preemptions'])}; KV capacity at start "
-                       f"{run.capacity_tokens} tokens; mean KV demand {100 * demand / capacity_tokens:.0f} % of the "
-                       f"DP capacity")
-            bar.update()
-
-    print_results(runs, slo)
-    if args.plot and runs:
-        plot(args.plot, list(runs.values()), slo[0], capacity_tokens)
-        print(f"plot: {args.plot}")
-
-    def ttft99(name):
-        return runs[name].report.ttft(99)
-
-    if "dp" in runs and "kunserve" in runs:
-        print(f"RESULT kunserve_p99_ttft_gain_vs_dp {ttft99('dp') / max(ttft99('kunserve'), 1e-9):.4g}")
-        print(f"RESULT kunserve_p50_tpot_ratio_vs_dp "
-              f"{runs['kunserve'].report.tpot(50) / max(runs['dp'].report.tpot(50), 1e-9):.4g}")
-    if "kunserve" in runs:
-        print(f"RESULT lookahead_bubble_ratio {runs['kunserve'].counts['bubble']:.4g}")
-    if "+exchange" in runs:
-        print(f"RESULT token_count_bubble_ratio {runs['+exchange'].counts['bubble']:.4g}")
-    if "kunserve" in runs and "+exchange" in runs:
-        tc = runs["+exchange"].counts["bubble"]
-        print(f"RESULT lookahead_vs_token_count_bubble {runs['kunserve'].counts['bubble'] / tc:.4g}"
-              if tc and not math.isnan(tc) else "RESULT lookahead_vs_token_count_bubble nan")
-    for name, run in runs.items():
-        print(f"RESULT {name.replace('+', 'plus_').replace('-', '_')}_p99_ttft_s {run.report.ttft(99):.4g}")
+    for share, runs, capacity_tokens in outcomes:
+        print(f"\n=== weight share {share:.2f} (weights {weights / 2 ** 20:.0f} MiB + KV "
+              f"{kv_bytes_for_share(weights, share) / 2 ** 20:.0f} MiB per worker as DP) ===")
+        print_results(runs, slo)
+        if args.plot and runs:
+            path = Path(args.plot)
+            path = path.with_name(f"{path.stem}_{share_label(share)}{path.suffix}")
+            plot(str(path), [median_run(group) for group in runs.values()], slo[0], capacity_tokens)
+            print(f"plot (median run of each config): {path}")
+    for share, runs, _ in outcomes:
+        print_result_lines(runs, share_label(share))
     return 0
+
+
+def profile_cost(args, bar) -> str:
+    """`elastic-hf profile-cost --grid small` into a temp dir (the drop configs' layer split and lookahead)."""
+    bar.set_description("profile-cost (small grid)")
+    out_dir = tempfile.mkdtemp(prefix="param_drop_")
+    path = str(Path(out_dir) / "cost-profile.json")
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    exe = Path(sys.executable).with_name("elastic-hf")
+    cmd = [str(exe), "profile-cost", "--grid", "small", "--threads", str(threads), "--dtype", args.dtype,
+           "--out", path, "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stdout + done.stderr, file=sys.stderr)
+        raise SystemExit(f"`{' '.join(cmd)}` failed with exit code {done.returncode}")
+    tqdm.write(f"cost profile: {path} ({' '.join(cmd[1:])})\n  " + "\n  ".join(done.stdout.strip().splitlines()[-3:]))
+    bar.update()
+    return path
+
+
+def print_calibration(cal: Calibration, weights: int) -> None:
+    table = "  ".join(f"b={b}: {1e3 * s:.1f}" for b, s in cal.step_s.items())
+    flat = cal.step_s[max(cal.step_s)] / cal.step_s[min(cal.step_s)]
+    knee = next((b for b, s in cal.step_s.items() if s > 1.5 * cal.step_s[min(cal.step_s)]), None)
+    verdict = ("memory-bound over the whole range (step time roughly flat in batch)" if knee is None else
+               f"memory-bound up to b~{knee // 2 if knee > 1 else 1}, compute-bound from b={knee} (step time "
+               f"grows with batch)")
+    tqdm.write(f"DP decode step (ms, one instance, through the engine): {table}; b={max(cal.step_s)} costs "
+               f"{flat:.2f}x b=1 -> {verdict}")
+    tqdm.write(f"DP prefill alone: {1e3 * cal.prefill_fixed_s:.0f} ms + {1e3 * cal.prefill_per_token_s:.2f} ms "
+               f"per prompt token; KV block {cal.block_bytes} B; weights {weights / 2 ** 20:.1f} MiB per TP1 worker")
+
+
+def plan_regime(args, window: Window, cal: Calibration, weights: int, share: float):
+    """The requests, DP capacity (tokens) and hysteresis of one memory regime (module docstring)."""
+    from transformers import AutoTokenizer
+
+    from elastic_hf.model.loader import resolve_model
+
+    block = 16
+    instance_blocks = args.kv_cache_memory // cal.block_bytes
+    capacity_tokens = 2 * instance_blocks * block
+    cap_p, cap_o = length_caps(args, instance_blocks * block)
+    rows = scale_trace(window.rows, TraceScale(1.0, args.prompt_scale, args.output_scale, cap_p, cap_o))
+    sol = solve_rate(rows, cal, capacity_tokens, args.target_util, block)
+    scale = TraceScale(time_scale_for_rate(rows, sol["rate"]), args.prompt_scale, args.output_scale, cap_p, cap_o)
+    rows = scale_trace(window.rows, scale)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir)
+    requests = build_requests(rows, tokenizer, seed=args.seed)
+    mean_gap = rows[-1].arrival_s / max(len(rows) - 1, 1)
+    step = cal.step_at(max(1.0, sol["concurrency"] / 2)) / (1 - sol["prefill_util"])
+    hysteresis = {"hold_steps": 2, "restore_below": 0.5,
+                  "restore_hold_steps": max(8, round(RESTORE_HOLD_ARRIVALS * mean_gap / step)),
+                  "cooldown_steps": max(16, round(COOLDOWN_ARRIVALS * mean_gap / step))}
+    burst = rows[window.peak_offset:window.peak_offset + window.sub]
+    burst_tokens = sum(r.prompt_tokens + r.output_tokens for r in burst)
+    tqdm.write(f"\nweight share {share:.2f}: KV {args.kv_cache_memory / 2 ** 20:.1f} MiB per worker beside "
+               f"{weights / 2 ** 20:.1f} MiB of weights -> DP capacity {instance_blocks} blocks per instance = "
+               f"{instance_blocks * block} tokens, {capacity_tokens} tokens over both")
+    tqdm.write(f"lengths: {scale.describe()}: prompt mean {statistics.mean(r.prompt_tokens for r in rows):.0f}, "
+               f"output mean {statistics.mean(r.output_tokens for r in rows):.1f}; every request <= "
+               f"{int(REQUEST_KV_SHARE * 100)} % of one instance")
+    tqdm.write(f"time scale x{scale.time_scale:.3g}: mean {sol['rate']:.3f} req/s over {rows[-1].arrival_s:.1f} s "
+               f"-> target mean KV demand {100 * args.target_util:.0f} % of the DP capacity (est. concurrency "
+               f"{sol['concurrency']:.1f}, TPOT {1e3 * sol['tpot_s']:.0f} ms, prefill utilisation "
+               f"{100 * sol['prefill_util']:.0f} %, {sol['kv_token_seconds']:.0f} KV token-s per request, a request "
+               f"lasts ~{sol['duration_s']:.1f} s unloaded); the peak brings {len(burst)} requests holding up to "
+               f"{burst_tokens} KV tokens ({100 * burst_tokens / capacity_tokens:.0f} % of the DP capacity) "
+               f"within {burst[-1].arrival_s - burst[0].arrival_s:.1f} s")
+    if sol["prefill_util"] >= PREFILL_UTIL_CAP - 1e-9:
+        tqdm.write(f"WARNING: this regime is compute-bound on this machine: holding {100 * args.target_util:.0f} % of "
+                   f"the DP KV with these request lengths needs prefill at >= {100 * PREFILL_UTIL_CAP:.0f} % of the "
+                   f"instances' time, so the queue grows for compute, not KV (a drop frees memory, not compute). "
+                   f"Longer outputs per prompt token (--output-scale, --max-output-tokens) hold more KV per unit of "
+                   f"compute.")
+    tqdm.write(f"hysteresis (drop / merge configs): {hysteresis} (decode step at the expected load "
+               f"~{1e3 * step:.0f} ms, mean inter-arrival {mean_gap:.2f} s)")
+    return requests, capacity_tokens, hysteresis
 
 
 if __name__ == "__main__":

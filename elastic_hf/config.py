@@ -156,6 +156,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None     # None: what the model and the largest reachable KV cache allow, <= 8192
+    # Batches a pipelined instance keeps in flight (cross-step pipelining, engine/batch_queue.py): stage s runs batch
+    # t+1 while stage s+1 finishes t. None: one per stage; 1: every step drains the pipe (micro-batches only)
+    pipeline_batches: int | None = None
     # -- request limits: every stop string is checked at every step of its request
     max_stop_strings: int = 64
     max_stop_string_chars: int = 1024
@@ -210,6 +213,9 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.pipeline_batches is not None and self.pipeline_batches < 1:
+            raise ValueError(f"pipeline_batches must be >= 1 (or None: one per pipeline stage), got "
+                             f"{self.pipeline_batches}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")

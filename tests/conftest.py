@@ -44,7 +44,8 @@ SLOW_PREFIXES = (
     "tests/serving/test_structured_api.py::test_a_tool", "tests/serving/test_structured_api.py::test_guided",
     "tests/serving/test_structured_api.py::test_reasoning",
     "tests/parallel/test_ray_executor.py::test_two_node", "tests/parallel/test_ray_executor.py::test_a_node_lost",
-    "tests/parallel/test_ray_executor.py::test_a_local_ray",
+    "tests/parallel/test_ray_executor.py::test_a_local_ray", "tests/parallel/test_cross_step_pipeline.py",
+    "tests/parallel/test_overload_hover.py", "tests/serving/test_overload_http.py",
 )
 FAST_REPRESENTATIVES = (
     "tests/parallel/test_pipeline.py::test_pp2_matches_hf_with_chunked_prefill[llama-1x2]",

@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from elastic_hf.engine.batch_queue import BatchQueue
 from elastic_hf.engine.errors import InvalidRequest
 from elastic_hf.engine.grammar import fill_bitmasks
 from elastic_hf.engine.input_processor import EngineRequest, InputProcessor
@@ -69,6 +70,7 @@ class LLMEngine:
         self.idle_work_checks: list[Callable[[], bool]] = []
         self._recent_ttft: deque[float] = deque(maxlen=_RECENT_LATENCIES)
         self._recent_tpot: deque[float] = deque(maxlen=_RECENT_LATENCIES)
+        self.batches = BatchQueue(self)   # batches in flight of a pipelined instance (cross-step pipelining)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int] | EngineRequest,
@@ -116,28 +118,37 @@ class LLMEngine:
         self._update_gauges()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or any(check() for check in self.idle_work_checks)
+        return bool(self.requests or self.batches.stashed) or any(check() for check in self.idle_work_checks)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update_from_output, then output processing (engine/scheduler.py)."""
         for hook in self.step_boundary_hooks:
             hook(self)
+        if self.batches.active():   # a pipelined instance: several batches in flight (engine/batch_queue.py)
+            return self.batches.step()
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.prefix_cache_queries:
-            self.metrics.on_prefix_cache(scheduler_output.prefix_cache_queries, scheduler_output.prefix_cache_hits)
+        self._count_prefix_cache(scheduler_output)
         if not scheduler_output:
             self._update_gauges()
             return []
-        runner_output = self._execute(scheduler_output)
+        return self._complete(scheduler_output, self._submit(scheduler_output)())
+
+    def _count_prefix_cache(self, scheduler_output: SchedulerOutput) -> None:
+        if scheduler_output.prefix_cache_queries:
+            self.metrics.on_prefix_cache(scheduler_output.prefix_cache_queries, scheduler_output.prefix_cache_hits)
+
+    def _complete(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """The step's output in: advance its sequences, then stop conditions and outputs."""
         self.num_steps += 1
         touched = self._fail_sampling_errors(scheduler_output, runner_output)
         self.num_computed_prompt_tokens += self.scheduler.update_from_output(scheduler_output, runner_output)
         return self._process_outputs(scheduler_output, runner_output, touched)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the step on the runner and sample where the logits are: on the worker when the runner offers it and
-        no row needs the logits here (log-probabilities), else here."""
+    def _submit(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Send the step to the runner; returns a call that waits for its ModelRunnerOutput. Sampled where the
+        logits are: on the worker when the runner offers it and no row needs the logits here (log-probabilities),
+        else here. Only a step sampled on the workers of a runner that overlaps calls is in flight on return."""
         scheduled = scheduler_output.scheduled
         inputs = [SeqStepInput(s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens],
                                s.seq.num_computed_tokens, s.seq.block_ids, s.completes_prompt,
@@ -150,8 +161,12 @@ class LLMEngine:
             row_masks = dict(zip(constrained, bitmask.numpy())) if constrained else {}
             sampling = [RemoteSampling.of(seq, row_masks[row].tobytes() if row in row_masks else None)
                         for row, seq in enumerate(seqs)]
-            tokens, failures = adopt_sampled(remote(inputs, sampling), seqs)
-            return ModelRunnerOutput(tokens, failures)
+            submit = getattr(self.runner, "submit_sampled", None)
+            if submit is not None and self.batches.depth() > 1:
+                wait = submit(inputs, sampling)
+                return lambda: ModelRunnerOutput(*adopt_sampled(wait(), seqs))
+            done = ModelRunnerOutput(*adopt_sampled(remote(inputs, sampling), seqs))
+            return lambda: done
         logits = self.runner.execute(inputs)  # [rows, vocab]: see Runner.execute
         if any(i.all_logits for i in inputs):
             logits = self._take_prompt_logprobs(scheduled, inputs, logits)  # -> [num_sampling, vocab]
@@ -160,7 +175,8 @@ class LLMEngine:
         raw_needed = constrained and any(seqs[row].params.logprobs is not None for row in constrained)
         tokens, raised = sample(logits.clone() if raw_needed else logits, seqs, masks) if seqs else ([], {})
         failures = {row: f"{type(exc).__name__}: {exc}" for row, exc in raised.items()}
-        return ModelRunnerOutput(tokens, failures, self._sampled_logprobs(logits, seqs, tokens, failures))
+        done = ModelRunnerOutput(tokens, failures, self._sampled_logprobs(logits, seqs, tokens, failures))
+        return lambda: done
 
     def _fail_sampling_errors(self, scheduler_output: SchedulerOutput,
                               runner_output: ModelRunnerOutput) -> dict[str, Request]:

@@ -41,6 +41,9 @@ class Scheduler:
         # queue keeps running on the free blocks. Blocks of one aborted meanwhile are held (KVManager.hold) until
         # the exchange ends: the exchange still writes into them.
         self.exchanging: list[Sequence] = []
+        # Sequences whose step is in flight (engine/batch_queue.py: a pipeline keeps several batches going): they
+        # are neither scheduled again nor preempted until their step's output is in.
+        self.in_flight: set[int] = set()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -129,24 +132,42 @@ class Scheduler:
             self.kv.cache_block(seq.block_ids[i], hashes[i])
         seq.num_registered_blocks = full
 
-    def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+    def num_runnable(self) -> int:
+        """Sequences a step could take now: running ones not in flight, and the queue."""
+        return len(self.running) - sum(s.seq_id in self.in_flight for s in self.running) + len(self.waiting)
+
+    def _youngest_preemptible(self) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq.seq_id not in self.in_flight:
+                return seq
+        return None
+
+    def schedule(self, max_seqs: int | None = None, budget: int | None = None) -> SchedulerOutput:
+        """One step's work. max_seqs / budget: caps of this batch below the scheduler's own (a pipeline with
+        several batches in flight splits its running sequences and token budget between them)."""
+        budget = self.max_num_batched_tokens if budget is None else min(budget, self.max_num_batched_tokens)
+        max_seqs = self.max_num_seqs if max_seqs is None else max_seqs
         scheduled: list[ScheduledSeq] = []
         queries = hits = 0
 
         # Running sequences first, oldest first: they already hold blocks and their users wait on tokens.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             seq = self.running[i]
+            if seq.seq_id in self.in_flight:
+                i += 1
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             needed = self.blocks_needed(seq, num_new)
             while not self.kv.can_allocate(needed):
-                victim = self.running[-1]
+                victim = self._youngest_preemptible()
+                if victim is None:
+                    break
                 self.preempt(victim)
                 if victim is seq:
                     break
-            if seq.status is not SeqStatus.RUNNING:
-                break  # seq preempted itself: nothing younger is left to run
+            if seq.status is not SeqStatus.RUNNING or not self.kv.can_allocate(needed):
+                break  # seq preempted itself, or only sequences in flight hold the blocks it needs: wait for them
             seq.block_ids.extend(self.kv.allocate(needed))
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
@@ -155,7 +176,7 @@ class Scheduler:
         # Admit waiting sequences while the budget, the sequence cap and the free blocks allow. Never preempt for
         # a newcomer. A sequence with nothing computed (new, or preempted) first takes the cached blocks of its
         # longest computed prefix and skips those tokens.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(scheduled) < max_seqs:
             seq = self.waiting[0]
             fresh = not seq.block_ids and not seq.num_computed_tokens
             if fresh and self._sibling_prefills(seq):

@@ -93,10 +93,11 @@ def check_plan(moves: list[BlockMove], transfers: list[KVTransfer], old, new, nu
     (layer range x head range) exactly once (no gap, no overlap, nothing outside it), and every transfer lands in
     the destination block of its move (logical block identity). Works on rectangles, not on single (layer, head)
     cells, so it costs a few comparisons per block. Raises ValueError naming the first violation."""
-    destination = {}
+    # A block shared by several sequences (a cached prefix) is copied once per sequence that moves with it
+    destination: dict[tuple[int, int], set[int]] = {}
     for move in moves:
         for sb, db in zip(move.src_blocks, move.dst_blocks):
-            destination[(move.src_instance, sb)] = db
+            destination.setdefault((move.src_instance, sb), set()).add(db)
     owners: dict[int, dict[int, tuple]] = {}   # new instance -> worker -> (layers, heads)
     incoming: dict[tuple[int, int], list[KVTransfer]] = {}
     for t in transfers:
@@ -125,7 +126,7 @@ def check_plan(moves: list[BlockMove], transfers: list[KVTransfer], old, new, nu
                                      f"block {db} on worker {worker}")
     for t in transfers:
         role = old.role(t.src_worker)
-        if role is None or destination.get((role.instance, t.src_block)) != t.dst_block \
+        if role is None or t.dst_block not in destination.get((role.instance, t.src_block), ()) \
                 or (t.dst_worker, t.dst_block) not in seen:
             raise ValueError(f"KV plan moves block {t.src_block} of worker {t.src_worker} into block {t.dst_block} "
                              f"on worker {t.dst_worker}, which is not where its move puts it")

@@ -73,6 +73,7 @@ class Deployment:
         self.reshapes: list[ReshapeReport] = []
         self.num_recoveries = self.num_rejected_reshapes = 0
         self._scale_down_backoff = 0
+        self.drained_outputs: list[RequestOutput] = []   # of batches finished between steps (drain_batches)
         self._capacities: dict[tuple[int, ...], int] = {}
         self.long_request_ids: set[str] = set()
         # --seed: one stream of request seeds across the instance engines, drawn in order of acceptance
@@ -93,7 +94,7 @@ class Deployment:
             # gauges always show the whole deployment; the deployment's and the morph metrics live in the same
             # registry, so one /metrics page shows all.
             self.metrics = EngineMetrics(model_id, max_model_len=self.max_model_len)
-            self.metrics.load_totals = self._load_totals
+            self.metrics.load_totals = lambda: load_totals(self.instances)
             self.deployment_metrics = DeploymentMetrics(self.metrics.registry)
             self.deployment_metrics.set_topology(self.topology)
             self.instances = self._build_instances(self.topology)
@@ -134,7 +135,8 @@ class Deployment:
         kv.bind_pools(lambda resize: self.pool.collective_rpc(Worker.resize_kv, (resize,), workers))
         if self.config.enable_prefix_caching:
             kv.prefix_cache = PrefixCache(self.config.prefix_caching_hash_algo)
-        runner = InstanceRunner(self.pool, workers, shape, self.deployment_metrics.on_pipeline_step)
+        runner = InstanceRunner(self.pool, workers, shape, self.deployment_metrics.on_pipeline_step,
+                                self.config.pipeline_batches)
         engine = LLMEngine(runner, Scheduler(self.config, kv, shape.pp), self.tokenizer,
                            model_id=self.model_id, max_model_len=self.max_model_len,
                            eos_token_ids=self.eos_token_ids, input_processor=self.input_processor,
@@ -249,7 +251,8 @@ class Deployment:
         self.long_request_ids.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return any(i.engine.has_unfinished_requests() for i in self.instances) or self.overload.wants_steps()
+        return (bool(self.drained_outputs) or any(i.engine.has_unfinished_requests() for i in self.instances)
+                or self.overload.wants_steps())
 
     def has_runnable_work(self) -> bool:
         """Some sequence can run a step now (requests waiting on a KV exchange cannot)."""
@@ -258,7 +261,7 @@ class Deployment:
     def step(self) -> list[RequestOutput]:
         """One step of every instance with work (requests, or a morph in progress), the instances concurrently."""
         busy = [i for i in self.instances if i.engine.has_unfinished_requests()]
-        outputs, errors = [], []
+        outputs, errors, self.drained_outputs = self.drained_outputs, [], []
         started, self.deployment_metrics.last_stage_busy_s = time.perf_counter(), None
         if len(busy) == 1 or self.pool.step_threads is None:
             steps = [inst.engine.step for inst in busy]
@@ -284,8 +287,14 @@ class Deployment:
             if not self.pool.check_health():
                 raise
             self.recover()
-        self.metrics.set_load(*self._load_totals())   # a reshape in this step may have changed the instances
+        self.metrics.set_load(*load_totals(self.instances))   # a reshape in this step may have changed the instances
         return outputs
+
+    def drain_batches(self) -> None:
+        """Finish the batches in flight (cross-step pipelining); the next step returns their outputs."""
+        for inst in self.instances:
+            inst.engine.batches.drain()
+            self.drained_outputs += inst.engine.batches.take_stashed()
 
     def _maybe_scale_down(self) -> None:
         """Gyges Alg. 2 at a step boundary: split a merged instance once no long request is left on it and its
@@ -307,9 +316,6 @@ class Deployment:
             self.num_rejected_reshapes += 1
             self._scale_down_backoff = SCALE_DOWN_BACKOFF_STEPS
             log.info("scale-down to %s postponed: %s", list(target), exc)
-
-    def _load_totals(self) -> tuple[int, int, int, int]:
-        return load_totals(self.instances)
 
     def stats(self) -> dict:
         return deployment_stats(self)
@@ -357,8 +363,12 @@ class Deployment:
         dead = self.pool.check_health()
         if not dead:
             return []
+        for inst in self.instances:   # steps in flight on a lost worker did not happen; the others' finish
+            if any(w in dead for w in inst.workers):
+                inst.engine.batches.discard()
         self.overload.on_workers_lost(dead)
         self.pool.replace(dead, self.topology.sizes)
+        self.drain_batches()
         for inst in self.instances:
             lost = [w for w in inst.workers if w in dead]
             if not lost:

@@ -46,6 +46,26 @@ def resolve_method(worker, method: str):
     return target
 
 
+class PendingRPC:
+    """A collective call sent and not yet answered (Executor.submit_rpc); Executor.wait_rpc gives its results. The
+    base executor answers at submit time (`done` with its results or its error); an executor of worker processes
+    fills `results` / `errors` as the answers come."""
+
+    def __init__(self, method: str, workers: tuple[int, ...], deadline: float | None, timeout: float | None):
+        self.method = method
+        self.workers = workers
+        self.deadline = deadline     # time.monotonic() by which every worker must have answered; None: no limit
+        self.timeout = timeout
+        self.results: dict[int, object] = {}
+        self.errors: list = []
+        self.done = False
+        self.outcome: list | BaseException | None = None   # set by the base executor's synchronous submit
+        self.handle = None   # executor-specific (Ray's object refs)
+
+    def answered(self, worker: int) -> bool:
+        return worker in self.results or any(getattr(e, "worker", None) == worker for e in self.errors)
+
+
 class Executor(ABC):
     num_workers: int
     # Results cross a process boundary: a step's logits are then sampled where they are (Worker.execute with
@@ -94,6 +114,32 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stop every worker; idempotent."""
 
+    # ------------------------------------------------------------------ calls in flight
+    def submit_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None,
+                   timeout: float | None = None) -> PendingRPC:
+        """Send a collective call and return without waiting (cross-step pipelining keeps a pipeline's next batch
+        in flight while the previous one finishes). Every worker runs its calls in the order sent; any other call
+        to a worker first collects the answers of the calls in flight there. This default runs the call at once."""
+        workers = range(self.num_workers) if workers is None else tuple(workers)
+        call = PendingRPC(rpc_name(method), tuple(workers), None, timeout)
+        try:
+            call.outcome = self.collective_rpc(method, args, workers, timeout)
+        except BaseException as exc:  # noqa: BLE001 - raised by wait_rpc, as the call would have
+            call.outcome = exc
+        call.done = True
+        return call
+
+    def wait_rpc(self, call: PendingRPC) -> list:
+        """The results of a submitted call (in the order of its workers), or its first failure (WorkerError)."""
+        if isinstance(call.outcome, BaseException):
+            raise call.outcome
+        return call.outcome
+
+    @property
+    def overlaps_calls(self) -> bool:
+        """Do calls in flight overlap with the caller's work (worker processes), or does submit_rpc run them?"""
+        return type(self).submit_rpc is not Executor.submit_rpc
+
     # ------------------------------------------------------------------ the step paths
     def step_timeout(self, inputs: list) -> float | None:
         """The deadline of a step over `inputs` (engine/step_plan.SeqStepInput): step_timeout_s plus 50 ms a token
@@ -113,6 +159,12 @@ class Executor(ABC):
         the last stage's rank 0 holding the logits (or SampledStep)."""
         timeout = self.step_timeout([i for batch in micro_batches for i in batch])
         return self.collective_rpc("execute_pipeline", (micro_batches, sampling), workers, timeout)
+
+    def submit_pipeline(self, workers: tuple[int, ...], micro_batches: list[list], sampling: list | None = None
+                        ) -> PendingRPC:
+        """execute_pipeline without waiting: wait_rpc(call) gives its results."""
+        timeout = self.step_timeout([i for batch in micro_batches for i in batch])
+        return self.submit_rpc("execute_pipeline", (micro_batches, sampling), workers, timeout)
 
     # ------------------------------------------------------------------ shorthands
     def call(self, worker: int, method: str | Callable, *args):

@@ -18,10 +18,12 @@ class InstanceRunner:
     back. A pipelined instance gets the step as micro-batches (parallel/pipeline.py): every worker receives all of
     them at once and they flow through the stages point-to-point; the last stage's rank 0 returns the logits."""
 
-    def __init__(self, pool, workers: tuple[int, ...], shape: InstanceShape, on_pipeline_step=None):
+    def __init__(self, pool, workers: tuple[int, ...], shape: InstanceShape, on_pipeline_step=None,
+                 pipeline_batches: int | None = None):
         self.pool = pool
         self.workers = workers
         self.shape = shape
+        self.pipeline_batches = pipeline_batches   # EngineConfig.pipeline_batches: None, one per stage
         self.on_pipeline_step = on_pipeline_step   # (stage stats of every worker) -> None, for the metrics
         self.lookahead: CostModel | None = None    # set by the deployment under overload; None: token counts
         # |predicted - measured| / measured busy seconds of the last stage on the last lookahead step (the
@@ -41,15 +43,37 @@ class InstanceRunner:
         """The step, sampled on the worker that holds the logits (engine/sampler.py): a SampledStep comes back."""
         return self._run(inputs, sampling)
 
+    def max_batches_in_flight(self) -> int:
+        """Cross-step pipelining (engine/batch_queue.py): a pipelined instance whose workers run apart from the
+        control plane keeps one batch in flight per stage (or EngineConfig.pipeline_batches); otherwise 1."""
+        if self.shape.pp == 1 or not self.pool.overlaps_calls:
+            return 1
+        return self.pipeline_batches or self.shape.pp
+
+    def submit_sampled(self, inputs, sampling):
+        """Send a sampled step of a pipelined instance and return a call that waits for its SampledStep. With
+        several batches in flight a decode-only batch is one micro-batch (the other batches keep the stages
+        busy; on a CPU every further micro-batch pays the weight stream again); a batch with prefill chunks is
+        still cut per stage, so a long prompt alone in the pipe does not leave the other stages idle."""
+        micro_batches = self._micro_batches(inputs, whole=all(len(s.token_ids) == 1 for s in inputs))
+        call = self.pool.submit_pipeline(self.workers, micro_batches, sampling)
+        return lambda: self._pipeline_result(micro_batches, self.pool.wait_rpc(call))
+
+    def _micro_batches(self, inputs, whole: bool = False) -> list[list]:
+        if whole:
+            return [list(inputs)]
+        if self.lookahead is not None:
+            return lookahead_micro_batches(inputs, self.shape, self.lookahead)
+        return split_micro_batches(inputs, self.shape.pp)
+
     def _run(self, inputs, sampling):
         if self.shape.pp == 1:
             return self.pool.execute_model(self.workers, inputs, sampling)
+        micro_batches = self._micro_batches(inputs)
+        return self._pipeline_result(micro_batches, self.pool.execute_pipeline(self.workers, micro_batches, sampling))
+
+    def _pipeline_result(self, micro_batches: list[list], results: list[tuple]):
         model = self.lookahead
-        if model is not None:
-            micro_batches = lookahead_micro_batches(inputs, self.shape, model)
-        else:
-            micro_batches = split_micro_batches(inputs, self.shape.pp)
-        results = self.pool.execute_pipeline(self.workers, micro_batches, sampling)
         if self.on_pipeline_step is not None:
             self.on_pipeline_step([stats for _, stats in results], self.workers)
         logits, last_stats = results[(self.shape.pp - 1) * self.shape.tp]   # last stage, rank 0

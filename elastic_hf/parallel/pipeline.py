@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 OK, FAILED = 0, 1
+# A stage idle longer than this between two steps had no work (an idle server), which is not a pipeline bubble; a
+# shorter gap (the control plane between a step's output and the next batch) is.
+IDLE_GAP_S = 0.5
 
 
 class StageFailed(RuntimeError):
@@ -24,10 +27,16 @@ class PipelineStats:
     busy_s: float = 0.0          # time in this stage's forwards
     wall_s: float = 0.0          # the whole step on this worker, waits included
     sent_bytes: int = 0
+    gap_s: float = 0.0           # idle before the step since this stage's previous one (< IDLE_GAP_S, else 0)
+
+    @property
+    def span_s(self) -> float:
+        """The stage's time this step accounts for: the step and the idle gap before it."""
+        return self.wall_s + self.gap_s
 
     @property
     def bubble_ratio(self) -> float:
-        return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+        return 1.0 - self.busy_s / self.span_s if self.span_s > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -39,6 +48,7 @@ class StageLinks:
     dtype: torch.dtype
     device: torch.device
     pending: list = field(default_factory=list)   # sends not yet completed (their buffers must stay alive)
+    last_end: float | None = None                 # perf_counter() at the end of this stage's previous step
 
     def send(self, status: int, hidden: torch.Tensor | None, num_tokens: int) -> int:
         import torch.distributed as dist
@@ -76,6 +86,8 @@ def run_pipeline_step(runner, links: StageLinks, micro_batches: list[list]) -> t
     stage, or StageFailed when an earlier stage failed, after passing the failure on and draining its input."""
     stats = PipelineStats()
     started = time.perf_counter()
+    if links.last_end is not None and started - links.last_end < IDLE_GAP_S:
+        stats.gap_s = started - links.last_end
     logits: list[torch.Tensor] = []
     error: BaseException | None = None
     try:
@@ -100,7 +112,8 @@ def run_pipeline_step(runner, links: StageLinks, micro_batches: list[list]) -> t
                 logits.append(out)
     finally:
         links.flush()
-        stats.wall_s = time.perf_counter() - started
+        links.last_end = time.perf_counter()
+        stats.wall_s = links.last_end - started
     if error is not None:
         raise error
     return (torch.cat(logits) if logits else None), stats

@@ -27,7 +27,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from elastic_hf.config import EngineConfig
-from elastic_hf.parallel.executor import Executor, resolve_method, rpc_name
+from elastic_hf.parallel.executor import Executor, PendingRPC, resolve_method, rpc_name
 from elastic_hf.parallel.ray_rendezvous import NodeStoreView, NodeWeightStores, RayRendezvous
 from elastic_hf.parallel.worker_pool import (WorkerError, decode_result, encode_result, finish_collective,
                                              prepare_worker_process, raise_first)
@@ -247,23 +247,36 @@ class RayExecutor(Executor):
     # ------------------------------------------------------------------ the executor interface
     def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None,
                        timeout: float | None = None) -> list:
+        return self.wait_rpc(self.submit_rpc(method, args, workers, timeout))
+
+    def submit_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None,
+                   timeout: float | None = None) -> PendingRPC:
+        """An actor runs its calls one at a time in the order sent, so calls in flight need no bookkeeping."""
         method = rpc_name(method)
-        workers = range(self.num_workers) if workers is None else tuple(workers)
-        refs = {self._actors[w].call.remote(method, args): w for w in workers}
-        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        workers = tuple(range(self.num_workers)) if workers is None else tuple(workers)
+        call = PendingRPC(method, workers, None if timeout is None else time.monotonic() + timeout, timeout)
+        call.handle = {self._actors[w].call.remote(method, args): w for w in workers}
+        return call
+
+    def wait_rpc(self, call: PendingRPC) -> list:
+        refs = call.handle
+        remaining = None if call.deadline is None else max(0.0, call.deadline - time.monotonic())
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=remaining)
         results, errors = {}, []
         for ref in ready:
             w = refs[ref]
             try:
                 status, payload, remote_tb = ray.get(ref)
             except ray.exceptions.RayError as exc:   # the actor (or its node) died
-                errors.append(WorkerError(w, method, _short(exc)))
+                errors.append(WorkerError(w, call.method, _short(exc)))
                 continue
             if status != "ok":
-                errors.append(WorkerError(w, method, payload, remote_tb))
+                errors.append(WorkerError(w, call.method, payload, remote_tb))
             else:
                 results[w] = decode_result(payload)
-        return finish_collective(self, method, workers, results, errors, [refs[r] for r in pending], timeout)
+        call.done = True
+        return finish_collective(self, call.method, call.workers, results, errors, [refs[r] for r in pending],
+                                 call.timeout)
 
     def check_health(self) -> list[int]:
         refs = {ref: w for w, ref in self._watch.items()}

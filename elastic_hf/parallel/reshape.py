@@ -157,7 +157,11 @@ def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: Req
     deferred-KV plan the moved requests wait in the exchanging state until their KV has arrived.
     Returns (new instances, the cumulative counters of the retired engines, RETIRED_COUNTERS: a deployment's totals
     must not fall back when an engine is replaced)."""
-    new_block_ids = {(m.src_instance, m.src_blocks): list(m.dst_blocks) for m in plan.moves}
+    # Sequences sharing cached prefix blocks each got their own copies: identical old block lists map to one new
+    # list per sequence, in the order the plan made them.
+    new_block_ids: dict[tuple, list[list[int]]] = {}
+    for m in plan.moves:
+        new_block_ids.setdefault((m.src_instance, m.src_blocks), []).append(list(m.dst_blocks))
     retired_engines = [inst.engine for idx, inst in enumerate(instances) if idx not in plan.kept.values()]
     retired_stats = [e.stats() for e in retired_engines]
     for stats in retired_stats:
@@ -176,7 +180,7 @@ def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: Req
             if request.request_id in placement.preempted:
                 instance.engine.adopt(request, {}, recompute=True)
                 continue
-            blocks = {seq.seq_id: new_block_ids[(plan.seq_moves[seq.seq_id][0], tuple(seq.block_ids))]
+            blocks = {seq.seq_id: new_block_ids[(plan.seq_moves[seq.seq_id][0], tuple(seq.block_ids))].pop(0)
                       for seq in request.seqs if seq.block_ids}
             instance.engine.adopt(request, blocks, exchanging=plan.defer_kv)
         out.append(instance)
@@ -205,6 +209,7 @@ def run_reshape(deployment, target, weights_source: str | None = None, allow_pre
     topology is then still serving. defer_kv: move the KV after the commit point, between steps (a parameter
     drop, parallel/kv_exchange.py); the deployment starts the exchange in `resume`."""
     new = deployment.check_topology(target)
+    deployment.drain_batches()     # no step in flight: the plan reads every sequence's computed tokens and blocks
     deployment.settle_exchange()   # a previous drop's exchange finishes before anything else moves
     old = deployment.topology
     start = time.perf_counter()

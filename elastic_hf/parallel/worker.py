@@ -238,7 +238,7 @@ class Worker:
             raise RuntimeError(f"worker {self.me} is not a pipeline stage in topology {self.topology}")
         role = self.topology.role(self.me)
         logits, stats = run_pipeline_step(self.instance.runner, self.links, micro_batches)
-        self.last_pipeline_stats = {"stage": role.stage, "busy_s": stats.busy_s, "wall_s": stats.wall_s,
+        self.last_pipeline_stats = {"stage": role.stage, "busy_s": stats.busy_s, "wall_s": stats.span_s,
                                     "bubble_ratio": stats.bubble_ratio, "sent_bytes": stats.sent_bytes}
         if not (role.is_last_stage and role.rank == 0):
             return None, self.last_pipeline_stats

@@ -11,13 +11,14 @@ import os
 import signal
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from elastic_hf.config import EngineConfig
-from elastic_hf.parallel.executor import Executor, resolve_method, rpc_name
+from elastic_hf.parallel.executor import Executor, PendingRPC, resolve_method, rpc_name
 from elastic_hf.parallel.rendezvous import LoopbackWorld, Rendezvous
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,8 @@ class MultiprocessExecutor(Executor):
         self._of_processes(config, checkpoint_dir, model_id)
         self.store = store
         self._procs, self._conns = [], []
+        # calls sent to each worker and not yet answered, oldest first (submit_rpc); answers come in this order
+        self._in_flight: dict[int, deque[PendingRPC]] = {w: deque() for w in range(self.num_workers)}
         self.rendezvous = Rendezvous(config.start_timeout_s)
         world = self.rendezvous.new_world()
         try:
@@ -211,10 +214,63 @@ class MultiprocessExecutor(Executor):
             raise WorkerError(worker, method, result, remote_tb)
         return decode_result(result)
 
+    # ------------------------------------------------------------------ calls in flight
+    def submit_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None,
+                   timeout: float | None = None) -> PendingRPC:
+        method = rpc_name(method)
+        workers = tuple(range(self.num_workers)) if workers is None else tuple(workers)
+        call = PendingRPC(method, workers, None if timeout is None else time.monotonic() + timeout, timeout)
+        for w in workers:
+            try:
+                self._conns[w].send((method, args))
+                self._in_flight[w].append(call)
+            except (BrokenPipeError, OSError) as exc:
+                self._procs[w].join(timeout=10)
+                call.errors.append(WorkerError(w, method, f"worker process is gone ({exc}, exit code "
+                                                          f"{self._procs[w].exitcode})"))
+        return call
+
+    def wait_rpc(self, call: PendingRPC) -> list:
+        for w in call.workers:
+            while call in self._in_flight[w]:
+                self._answer_next(w)
+        call.done = True
+        raise_first(call.errors)
+        return [call.results[w] for w in call.workers]
+
+    def _answer_next(self, w: int) -> None:
+        """Read worker w's answer to its oldest call in flight (a worker silent past that call's deadline is ended
+        as hung, and every call still queued on it fails)."""
+        queue = self._in_flight[w]
+        call = queue[0]
+        if call.deadline is not None and not self._conns[w].poll(max(0.0, call.deadline - time.monotonic())):
+            self.kill(w, f"no answer within {call.timeout:.1f} s: ended as hung, to be replaced")
+            return
+        queue.popleft()
+        try:
+            call.results[w] = self._receive(w, call.method)
+        except WorkerError as exc:
+            call.errors.append(exc)
+            if not self._procs[w].is_alive():
+                self._fail_in_flight(w, str(exc))
+
+    def _fail_in_flight(self, w: int, reason: str) -> None:
+        for call in self._in_flight[w]:
+            call.errors.append(WorkerError(w, call.method, reason))
+        self._in_flight[w].clear()
+
+    def _settle(self, workers: Iterable[int]) -> None:
+        """Collect every answer still owed by `workers` into its call, so the next answer on a pipe is the next
+        call's."""
+        for w in workers:
+            while self._in_flight[w]:
+                self._answer_next(w)
+
     def collective_rpc(self, method: str | Callable, args: tuple = (), workers: Iterable[int] | None = None,
                        timeout: float | None = None) -> list:
         method = rpc_name(method)
         workers = range(self.num_workers) if workers is None else tuple(workers)
+        self._settle(workers)
         sent, errors = [], []
         for w in workers:
             try:
@@ -250,6 +306,9 @@ class MultiprocessExecutor(Executor):
         config = dataclasses.replace(self.config, topology=topology)
         world = self.rendezvous.new_world()
         survivors = [w for w in range(self.num_workers) if w not in dead]
+        for w in dead:
+            self._fail_in_flight(w, "worker process died")
+        self._settle(survivors)   # their answers to steps in flight (failures, mostly) are not the rejoin's
         for w in survivors:
             self._conns[w].send(("rejoin", (world,)))
         for w in dead:
@@ -263,11 +322,12 @@ class MultiprocessExecutor(Executor):
     def pids(self) -> list[int]:
         return [proc.pid for proc in self._procs]
 
-    def kill(self, worker: int) -> None:
+    def kill(self, worker: int, reason: str = "ended by the control plane") -> None:
         """End a worker that cannot be trusted any more (hung past a step's deadline, or failed after a reshape's
-        commit point); recover() replaces it like any dead worker."""
+        commit point); recover() replaces it like any dead worker. Its calls in flight fail with `reason`."""
         self._procs[worker].kill()
         self._procs[worker].join(timeout=10)
+        self._fail_in_flight(worker, reason)
 
     def shutdown(self) -> None:
         for w, conn in enumerate(self._conns):

@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="token budget of one step; longer prompts are prefilled in chunks "
                              "(default: engine default, 512)" + _OWN_DEFAULT)
+    parser.add_argument("--pipeline-batches", type=int, default=None,
+                        help="batches a pipelined instance keeps in flight: stage s runs batch t+1 while stage s+1 "
+                             "finishes t (cross-step pipelining); 1 drains the pipe at every step (default: one "
+                             "per pipeline stage)" + _OWN_DEFAULT)
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer <key>' on every /v1 route "
                              "(default: $ELASTIC_HF_API_KEY; unset = no auth)" + _OWN_DEFAULT)
@@ -225,7 +229,8 @@ def engine_config(args: argparse.Namespace):
               f"--morph-profile {args.deprecated_profile}", file=sys.stderr)
         args.profile = args.deprecated_profile
     options = {name: getattr(args, name) for name in ("dtype", "seed", "chat_template", "max_num_seqs",
-                                                       "max_num_batched_tokens", "memory_budget", "kv_cache_memory",
+                                                       "max_num_batched_tokens", "pipeline_batches", "memory_budget",
+                                                       "kv_cache_memory",
                                                        "max_model_len", "router", "block_size", "max_stop_strings",
                                                        "max_stop_string_chars", "max_queued_requests",
                                                        "overload", "cost_profile", "packed_weights", "device",

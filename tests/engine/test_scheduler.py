@@ -76,3 +76,29 @@ def test_adopted_sequences_keep_admission_order():
     assert [s.seq_id for s in sched.running] == [0, 2, 4] and [s.seq_id for s in sched.waiting] == [3]
     head, blocked = sched.head_of_line()
     assert head is moved_waiting and not blocked
+
+
+def test_sequences_in_flight_are_neither_scheduled_again_nor_preempted():
+    """Cross-step pipelining (engine/batch_queue.py): a batch takes at most max_seqs sequences; while its step is in
+    flight its sequences are skipped, and when blocks run out the youngest sequence *not* in flight is preempted."""
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4)
+    sched = Scheduler(config, KVManager(6, 4))
+    seqs = [_seq(i, 4) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    first = sched.schedule(max_seqs=2)
+    assert [s.seq for s in first] == seqs[:2] and list(sched.waiting) == [seqs[2]]
+    sched.in_flight.update(s.seq.seq_id for s in first)
+    assert sched.num_runnable() == 1
+    second = sched.schedule()
+    assert [s.seq for s in second] == [seqs[2]]       # the in-flight pair is not scheduled twice
+    _advance(sched, second)
+    sched.in_flight.add(seqs[2].seq_id)
+    assert not sched.schedule()                          # everything is in flight
+    sched.in_flight.difference_update(s.seq.seq_id for s in first)
+    _advance(sched, first)
+    # 3 blocks used, 3 free; seqs 0 and 1 need a second block each, seq 2 (in flight, youngest) must not go
+    sched.kv.allocate(2)                                 # leave one free block
+    third = sched.schedule()
+    assert [s.seq for s in third] == [seqs[0]]           # seq 1 preempted (youngest not in flight), not seq 2
+    assert seqs[1].status is SeqStatus.WAITING and seqs[2].status is SeqStatus.RUNNING

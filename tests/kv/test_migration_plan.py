@@ -46,3 +46,16 @@ def test_checker_catches_a_gap_an_overlap_and_a_wrong_block():
     outside = [dataclasses.replace(plan[0], layer_end=LAYERS)] + plan[1:]
     with pytest.raises(ValueError, match="holds layers"):
         check_plan(moves, outside, old_t, new_t, 3, LAYERS)
+
+
+def test_a_block_shared_by_two_sequences_is_copied_for_each():
+    """A cached prefix block two sequences hold (prefix caching, n > 1) moves once per sequence into that
+    sequence's own new block; a transfer into a block no move names is still caught."""
+    old_t, new_t = parse_topology("1,1"), parse_topology("1x2")
+    moves = [BlockMove(0, 0, (3, 4), (0, 1)), BlockMove(0, 0, (3, 5), (2, 3))]   # block 3 shared
+    plan = build_migration_plan(moves, old_t, new_t, 3, LAYERS)
+    check_plan(moves, plan, old_t, new_t, 3, LAYERS)
+    assert {t.dst_block for t in plan if t.src_block == 3} == {0, 2}
+    wrong = [dataclasses.replace(t, dst_block=1) if t.src_block == 3 else t for t in plan]
+    with pytest.raises(ValueError, match="not where its move puts it|twice|cells"):
+        check_plan(moves, wrong, old_t, new_t, 3, LAYERS)
