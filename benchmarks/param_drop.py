@@ -68,7 +68,7 @@ from common import InProcessServer, machine_description, result_path, wikitext_p
 from regime import (add_weight_share_arg, kv_bytes_for_share, measured_weights_bytes, median,  # noqa: E402
                     median_spread, parse_weight_shares, share_label)
 from replay import (TRACE_NAME, ReplayReport, ReplayRequest, TraceRow, TraceScale, build_requests,  # noqa: E402
-                    load_trace, run_replay, scale_trace, time_scale_for_rate)
+                    load_trace, percentile, run_replay, scale_trace, time_scale_for_rate)
 
 CONFIGS = ("dp", "pp", "tp-merge", "morph", "kunserve", "+drop", "+exchange", "no-restore")
 ALIASES = {"+lookahead": "kunserve"}
@@ -523,6 +523,11 @@ def print_results(runs: dict[str, list[Run]], slo: tuple[float, float]) -> None:
                   f"{median_spread([r.report.tpot(50) for r in group], 4)}  SLO "
                   f"{100 * med(name, lambda r: r.report.slo_attainment):.1f}%  bubble "
                   f"{fmt(med(name, lambda r: r.counts['bubble']))}")
+    for name, group in runs.items():
+        spans = [restore_tpot(run) for run in group]
+        if any(n for _, _, n in spans):
+            print(f"  {name}: P99 TPOT of requests decoding across a restore / of the others, per run: "
+                  + ", ".join(f"{a:.4f}/{b:.4f} s ({n} requests, {a / b:.2f}x)" for a, b, n in spans if n))
     for base in ("dp", "pp"):
         if base not in runs:
             continue
@@ -532,6 +537,20 @@ def print_results(runs: dict[str, list[Run]], slo: tuple[float, float]) -> None:
             print(f"  {name:<11} P99 TTFT gain {median_spread(paired(runs, base, name, ttft99_gain)):>20}   "
                   f"P50 TPOT gain {median_spread(paired(runs, base, name, tpot50_gain)):>20}   throughput "
                   f"{median_spread(paired(runs, name, base, throughput_ratio))}")
+
+
+def restore_tpot(run: Run) -> tuple[float, float, int]:
+    """(P99 TPOT of the requests decoding across a restore, P99 TPOT of the others, how many spanned one): how much
+    the stop-the-world restore costs the requests it interrupts (a request's TPOT is its mean gap)."""
+    restores = [when - run.t0 for when, entry in run.timeline.events
+                if entry.get("event") == "restore" and entry.get("outcome") == "committed"]
+    spanning, steady = [], []
+    for r in run.report.results:
+        if not r.ok or r.tpot_s is None or r.latency_s is None:
+            continue
+        first, last = r.arrival_s + r.ttft_s, r.arrival_s + r.latency_s
+        (spanning if any(first <= t <= last for t in restores) else steady).append(r.tpot_s)
+    return percentile(spanning, 99), percentile(steady, 99), len(spanning)
 
 
 def ttft99_gain(base: Run, other: Run) -> float:

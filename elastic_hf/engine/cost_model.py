@@ -121,6 +121,17 @@ class CostModel:
             raise ValueError(f"{path}: {exc}") from None
 
 
+SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "data" / "cost_profiles"
+
+
+def shipped_cost_model(model_id: str, dtype: str) -> CostModel | None:
+    """The cost model shipped for `model_id` at `dtype` (data/cost_profiles/<model id>.<dtype>.json, fitted by
+    `elastic-hf profile-cost --grid small` on a 2-core x86 CPU), or None. Lookahead balances micro-batches by the
+    *ratios* of its coefficients, which carry over between machines far better than its seconds."""
+    path = SHIPPED_PROFILES / f"{model_id}.{dtype}.json"
+    return CostModel.load(path) if path.is_file() else None
+
+
 @dataclass(frozen=True)
 class TokenLinearModel:
     """The baseline: time = per_token * tokens + fixed, blind to attention and to where a chunk sits in its

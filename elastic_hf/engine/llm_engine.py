@@ -184,7 +184,9 @@ class LLMEngine:
         requests by id (they get a final output this step)."""
         touched: dict[str, Request] = {}
         for row, reason in runner_output.failures.items():
-            request = self.requests[scheduler_output.sampling_seqs[row].request_id]
+            request = self.requests.get(scheduler_output.sampling_seqs[row].request_id)
+            if request is None:   # aborted while its step was in flight (cross-step pipelining)
+                continue
             self._fail_request(request, f"sampling failed: {reason}")
             touched[request.request_id] = request
         return touched

@@ -8,10 +8,11 @@ at the sequence's prefix plus its offset, so a later piece of one prompt costs m
 same length (its attention covers the earlier piece), which token counting cannot see. A decode (one token) has
 no interior cut and is never split.
 
-How many micro-batches: `num_stages` by default, the count the token-count baseline uses (instance_runner.
-split_micro_batches): it is the fewest that gives every stage work once the pipe is full, and every further one
-makes every stage pay the micro-batch's fixed cost again (lam and gamma of eq. 3, one activation transfer). A
-micro-batch never has fewer than `min_tokens` tokens (MIN of Fig. 11) unless the whole step has."""
+How many micro-batches: `lookahead_split` cuts `num_stages` by default, the count the token-count baseline uses
+(instance_runner.split_micro_batches), and a micro-batch never has fewer than `min_tokens` tokens (MIN of Fig. 11)
+unless the whole step has. `cost_chosen_split` (what a pipelined instance uses) lets the cost model choose the
+count: the one with the least predicted pipeline time, where every further micro-batch shortens the fill and
+drain of the pipe but pays the fixed costs again (lam and gamma of eq. 3, one activation transfer)."""
 from __future__ import annotations
 
 from bisect import bisect_right
@@ -111,6 +112,32 @@ def _balanced_cut(cost, lo: int, hi: int, left: int, right: int, minimum: int) -
     if a > first and abs(excess(a - 1)) < abs(excess(a)):
         return a - 1
     return a
+
+
+def pipeline_time(costs: list[float], num_stages: int) -> float:
+    """Predicted seconds of one drained pipelined step whose micro-batches cost `costs` on a stage: the last
+    micro-batch leaves the pipe after every micro-batch passed one stage and the slowest passed the others."""
+    return sum(costs) + (num_stages - 1) * max(costs) if costs else 0.0
+
+
+def cost_chosen_split(items: list[WorkItem], model: CostModel, num_stages: int, layer_fraction: float = 1.0,
+                      max_micro_batches: int | None = None) -> MicroBatches:
+    """The lookahead split whose micro-batch count minimises the predicted pipeline time (pipeline_time), among
+    1 .. max_micro_batches (default 2 x num_stages): every further micro-batch shortens the pipe's fill and drain
+    but pays the fixed costs of a forward again (gamma and lam of eq. 3: on a CPU mostly the weight stream), so a
+    decode-only step is cut once its token work outweighs that, and a small step stays whole. MIN does not bound
+    the count here: the fixed costs it stands for are in the prediction."""
+    stream_total = sum(WorkItem(*item).tokens for item in items)
+    if stream_total == 0:
+        return []
+    best, best_time = None, None
+    for count in range(1, min(max_micro_batches or 2 * num_stages, stream_total) + 1):
+        split = lookahead_split(items, model, count, min_tokens=1, layer_fraction=layer_fraction,
+                                max_micro_batches=count)
+        predicted = pipeline_time(predicted_costs(split, items, model, layer_fraction), num_stages)
+        if best_time is None or predicted < best_time * (1 - 1e-9):
+            best, best_time = split, predicted
+    return best
 
 
 def token_count_split(items: list[WorkItem], num_stages: int) -> MicroBatches:

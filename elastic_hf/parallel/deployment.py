@@ -332,10 +332,9 @@ class Deployment:
     # ------------------------------------------------------------------ reshape and recovery
     def reshape(self, target, weights_source: str | None = None, allow_preemption: bool = False,
                 overlap_weights: bool = True) -> ReshapeReport:
-        """Change the topology in place (a transaction, see parallel/reshape.py). Call between steps. Requests whose
-        KV the new layout cannot hold are preempted by recompute only with allow_preemption (an operator's
-        reshape); the TP policy's own merges and splits wait instead. overlap_weights=False loads the new
-        weights after the KV migration instead of during it (for measurements)."""
+        """Change the topology in place (a transaction, see parallel/reshape.py) between steps. Requests whose KV
+        the new layout cannot hold are preempted by recompute only with allow_preemption (an operator's reshape);
+        the TP policy's own merges and splits wait. overlap_weights=False: weights after the KV (measurements)."""
         return run_reshape(self, target, weights_source, allow_preemption, overlap_weights)
 
     def resume(self, new: Topology, plan, placement) -> None:
@@ -343,6 +342,7 @@ class Deployment:
         self.retired = {key: self.retired[key] + retired[key] for key in RETIRED_COUNTERS}
         self.topology = new
         self._bind_morph()
+        self.overload.apply_lookahead()
         if plan.defer_kv:
             self.overload.start_exchange(plan)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from elastic_hf.engine.cost_model import Chunk, CostModel
 from elastic_hf.engine.llm_engine import LLMEngine
-from elastic_hf.engine.lookahead import WorkItem, lookahead_split
+from elastic_hf.engine.lookahead import WorkItem, cost_chosen_split
 from elastic_hf.engine.step_plan import SeqStepInput
 from elastic_hf.topology import InstanceShape
 
@@ -116,7 +116,7 @@ def lookahead_micro_batches(inputs: list[SeqStepInput], shape: InstanceShape, mo
     return [[SeqStepInput(inputs[p.item].token_ids[p.start:p.end], inputs[p.item].num_computed + p.start,
                           inputs[p.item].block_ids, inputs[p.item].needs_logits and p.end == items[p.item].tokens,
                           inputs[p.item].all_logits) for p in micro_batch]
-            for micro_batch in lookahead_split(items, model, shape.pp, layer_fraction=layer_fraction)]
+            for micro_batch in cost_chosen_split(items, model, shape.pp, layer_fraction=layer_fraction)]
 
 
 def last_stage_fraction(shape: InstanceShape, model: CostModel) -> float:

@@ -36,17 +36,21 @@ class OverloadControl:
         self.metrics = OverloadMetrics(deployment.metrics.registry, config.num_workers)
         self.base_topology: Topology = deployment.topology
         self.exchange: KVExchange | None = None
-        self.cost_model = None
-        if config.cost_profile is not None:
-            from elastic_hf.engine.cost_model import CostModel
+        # The fitted micro-batch cost model (layer splits of drops, lookahead micro-batches): the configured
+        # profile, else the one shipped for the default model at this dtype, else none (bytes and token counts)
+        from elastic_hf.engine.cost_model import CostModel, shipped_cost_model
+        from elastic_hf.model.loader import parse_dtype
 
-            self.cost_model = CostModel.load(config.cost_profile)
+        dtype = None if config.dtype == "auto" else str(parse_dtype(config.dtype)).removeprefix("torch.")
+        self.cost_model = (CostModel.load(config.cost_profile) if config.cost_profile is not None
+                           else shipped_cost_model(deployment.model_id, dtype) if dtype else None)
         info = deployment.pool.call(0, "info")
         self.layer_bytes = info["weights_tp1_bytes"] - info["replicated_weights_bytes"]   # all decoder layers
         self.head_bytes = info["lm_head_bytes"]
         self.base_weights = [r["weights_bytes"] for r in deployment.memory_report()]
         self.history: list[dict] = []   # drops, merges and restores with their outcome (GET /admin/drop)
         self.apply_morph_gate()
+        self.apply_lookahead()
 
     # ------------------------------------------------------------------ every step
     def on_step(self, stage_busy_s: float | None) -> None:
@@ -66,6 +70,13 @@ class OverloadControl:
         decision = self.arbiter.decide(snap)
         if decision is not None:
             self.execute(decision, snap)
+
+    def apply_lookahead(self) -> None:
+        """Every pipelined instance cuts its steps by the cost model (KunServe §4.3), a static pipeline as well as a
+        drop group; without a cost model (or with the `lookahead` ablation off) by token counts."""
+        model = self.cost_model if self.policy.lookahead else None
+        for inst in self.dep.instances:
+            inst.runner.lookahead = model if inst.shape.pp > 1 else None
 
     def wants_steps(self) -> bool:
         """Keep an idle driver stepping while an exchange is in flight or a drop / merge waits for its restore
@@ -126,12 +137,7 @@ class OverloadControl:
         if isinstance(plan, DropRefusal):
             return self._refused("drop", plan.reason)
         target = [self.group_shape(n) for n in plan.new_sizes]
-        report = self._reshape("drop", target, defer_kv=self.policy.exchange == "coordinated")
-        if report is not None and self.cost_model is not None and self.policy.lookahead:
-            for inst in dep.instances:
-                if inst.shape.pp > 1:
-                    inst.runner.lookahead = self.cost_model   # KunServe §4.3: only while overloaded
-        return report
+        return self._reshape("drop", target, defer_kv=self.policy.exchange == "coordinated")
 
     def tp_merge(self) -> ReshapeReport | None:
         """Merge neighbouring TP1 instances in pairs into TP2 ones (each worker then holds half of the weights)."""

@@ -124,3 +124,17 @@ def test_a_negative_coefficient_is_clamped_to_zero_and_the_rest_refitted():
             clamped += 1
             assert fitted.alpha == 0.0
     assert clamped >= 1   # the clamp really ran (seed 3)
+
+
+def test_the_default_model_ships_a_cost_model_per_dtype():
+    """Lookahead works out of the box on the default model: its fitted profiles ship with the package (float32,
+    bfloat16); other models or dtypes have none (token counts, bytes)."""
+    from elastic_hf.engine.cost_model import shipped_cost_model
+    from elastic_hf.model.default_model import DEFAULT_MODEL_ID
+
+    for dtype in ("float32", "bfloat16"):
+        model = shipped_cost_model(DEFAULT_MODEL_ID, dtype)
+        assert model is not None and model.num_layers == 30 and dtype in model.source
+        assert model.batch_cost([Chunk(0, 64, True)]) > model.batch_cost([Chunk(0, 8, True)]) > 0
+    assert shipped_cost_model(DEFAULT_MODEL_ID, "float16") is None
+    assert shipped_cost_model("some/other-model", "float32") is None

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from elastic_hf.engine.cost_model import CostModel
-from elastic_hf.engine.lookahead import (Piece, WorkItem, balance, lookahead_split, predicted_costs,
-                                         token_count_split)
+from elastic_hf.engine.lookahead import (Piece, WorkItem, balance, cost_chosen_split, lookahead_split,
+                                         pipeline_time, predicted_costs, token_count_split)
 
 # About SmolLM2-135M fp32 on a 2-core CPU as `elastic-hf profile-cost` fits it (seconds).
 MODEL = CostModel(alpha=8e-7, beta=1.2e-3, gamma=6e-2, lam=5.5e-2, head=2e-3, num_layers=30, min_tokens=48)
@@ -113,3 +113,23 @@ def test_token_count_split_is_equal_tokens_and_validates():
     with pytest.raises(ValueError, match="num_stages must be >= 1, got 0"):
         lookahead_split(items, MODEL, 0)
     assert balance([2.0, 1.0]) == 2.0 and balance([]) == 1.0
+
+
+def test_the_cost_model_chooses_the_micro_batch_count():
+    """Fewer micro-batches where the fixed costs (the weight stream) dominate, more where token work does: a small
+    decode step stays whole, a large one and a burst of prompts are cut, and the chosen count predicts no worse
+    than num_stages micro-batches."""
+    def predicted(split, items):
+        return pipeline_time(predicted_costs(split, items, MODEL), 2)
+
+    small = [WorkItem(200, 1, True)] * 8
+    assert len(cost_chosen_split(small, MODEL, 2)) == 1
+    large = [WorkItem(200, 1, True)] * 256   # 256 rows through the LM head and the layers: work >> fixed cost
+    assert len(cost_chosen_split(large, MODEL, 2)) >= 2
+    for seed in range(3):
+        items = _burst(seed)
+        chosen = cost_chosen_split(items, MODEL, 2)
+        _check_stream(items, chosen)
+        assert len(chosen) >= 2
+        assert predicted(chosen, items) <= predicted(lookahead_split(items, MODEL, 2), items) * (1 + 1e-9)
+    assert cost_chosen_split([], MODEL, 2) == []

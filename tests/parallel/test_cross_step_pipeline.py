@@ -1,7 +1,7 @@
 """Cross-step pipelining (engine/batch_queue.py): a 1x2 instance keeps two batches of disjoint sequences in flight,
 so stage 0 computes one while stage 1 finishes the other. Greedy tokens equal HF's, seeded sampling equals the
-drained pipeline's (pipeline_batches=1) token for token, the batches really overlap, and a reshape or a worker's
-death with batches in flight loses nothing."""
+drained pipeline's (pipeline_batches=1) token for token, the batches really overlap, and a reshape, an abort or a
+worker's death with batches in flight loses nothing else."""
 import pytest
 
 from elastic_hf import ElasticModel
@@ -60,7 +60,8 @@ def test_two_batches_in_flight_give_the_drained_pipelines_tokens(setup):
 
 def test_reshape_and_worker_death_with_batches_in_flight(setup):
     """A reshape drains the batches in flight (their outputs come with the next step, nothing is recomputed); a
-    worker killed with two batches in flight is replaced and its instance's requests are recomputed exactly."""
+    request aborted while its step is in flight is dropped alone; a worker killed with two batches in flight is
+    replaced and its instance's requests are recomputed exactly."""
     path, prompts, expected = setup
     with ElasticModel.from_pretrained(path, workers=2, topology="1x2", kv_cache_memory=1 << 20,
                                       max_num_batched_tokens=32, enable_prefix_caching=False) as model:
@@ -78,10 +79,17 @@ def test_reshape_and_worker_death_with_batches_in_flight(setup):
         assert dep.stats()["num_computed_prompt_tokens"] == sum(len(p) for p in prompts)
 
         ids = [dep.add_request(None, p, params) for p in prompts]
+        want = dict(zip(ids, expected))
         done = run_steps(dep, ids, {}, num_steps=6)
-        assert len(dep.instances[0].engine.batches.in_flight) == 2
+        engine = dep.instances[0].engine
+        assert len(engine.batches.in_flight) == 2
+        in_flight = {s.seq.request_id for so, _ in engine.batches.in_flight for s in so.scheduled}
+        aborted = next(r for r in ids if r in in_flight and r not in done)
+        dep.abort_request(aborted)   # its step is in flight: the output is dropped, its blocks go back
+        ids.remove(aborted)
         dep.pool.kill(1)
         run_steps(dep, ids, done)
-        assert [done[r] for r in ids] == expected
+        assert aborted not in done
+        assert [done[r] for r in ids] == [want[r] for r in ids]
         assert dep.num_recoveries == 1 and not dep.pool.check_health()
         assert dep.instances[0].engine.scheduler.kv.num_used == 0
