@@ -136,11 +136,9 @@ class Scheduler:
         """Sequences a step could take now: running ones not in flight, and the queue."""
         return len(self.running) - sum(s.seq_id in self.in_flight for s in self.running) + len(self.waiting)
 
-    def _youngest_preemptible(self) -> Sequence | None:
-        for seq in reversed(self.running):
-            if seq.seq_id not in self.in_flight:
-                return seq
-        return None
+    def _youngest_preemptible(self) -> Sequence:
+        """The youngest running sequence not in flight (the one being scheduled is one, so there always is one)."""
+        return next(seq for seq in reversed(self.running) if seq.seq_id not in self.in_flight)
 
     def schedule(self, max_seqs: int | None = None, budget: int | None = None) -> SchedulerOutput:
         """One step's work. max_seqs / budget: caps of this batch below the scheduler's own (a pipeline with
@@ -161,13 +159,11 @@ class Scheduler:
             needed = self.blocks_needed(seq, num_new)
             while not self.kv.can_allocate(needed):
                 victim = self._youngest_preemptible()
-                if victim is None:
-                    break
                 self.preempt(victim)
                 if victim is seq:
                     break
-            if seq.status is not SeqStatus.RUNNING or not self.kv.can_allocate(needed):
-                break  # seq preempted itself, or only sequences in flight hold the blocks it needs: wait for them
+            if seq.status is not SeqStatus.RUNNING:
+                break  # seq preempted itself: nothing younger outside the batches in flight is left to run
             seq.block_ids.extend(self.kv.allocate(needed))
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new

@@ -48,7 +48,7 @@ def resolve_method(worker, method: str):
 
 class PendingRPC:
     """A collective call sent and not yet answered (Executor.submit_rpc); Executor.wait_rpc gives its results. The
-    base executor answers at submit time (`done` with its results or its error); an executor of worker processes
+    base executor answers at submit time (`outcome`: its results or its error); an executor of worker processes
     fills `results` / `errors` as the answers come."""
 
     def __init__(self, method: str, workers: tuple[int, ...], deadline: float | None, timeout: float | None):
@@ -58,12 +58,8 @@ class PendingRPC:
         self.timeout = timeout
         self.results: dict[int, object] = {}
         self.errors: list = []
-        self.done = False
         self.outcome: list | BaseException | None = None   # set by the base executor's synchronous submit
         self.handle = None   # executor-specific (Ray's object refs)
-
-    def answered(self, worker: int) -> bool:
-        return worker in self.results or any(getattr(e, "worker", None) == worker for e in self.errors)
 
 
 class Executor(ABC):
@@ -126,7 +122,6 @@ class Executor(ABC):
             call.outcome = self.collective_rpc(method, args, workers, timeout)
         except BaseException as exc:  # noqa: BLE001 - raised by wait_rpc, as the call would have
             call.outcome = exc
-        call.done = True
         return call
 
     def wait_rpc(self, call: PendingRPC) -> list:

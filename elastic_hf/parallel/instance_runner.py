@@ -25,7 +25,7 @@ class InstanceRunner:
         self.shape = shape
         self.pipeline_batches = pipeline_batches   # EngineConfig.pipeline_batches: None, one per stage
         self.on_pipeline_step = on_pipeline_step   # (stage stats of every worker) -> None, for the metrics
-        self.lookahead: CostModel | None = None    # set by the deployment under overload; None: token counts
+        self.lookahead: CostModel | None = None    # set on pipelined instances (OverloadControl.apply_lookahead)
         # |predicted - measured| / measured busy seconds of the last stage on the last lookahead step (the
         # elastic_hf_cost_model_error gauge); None until a lookahead step ran
         self.last_cost_error: float | None = None

@@ -274,7 +274,6 @@ class RayExecutor(Executor):
                 errors.append(WorkerError(w, call.method, payload, remote_tb))
             else:
                 results[w] = decode_result(payload)
-        call.done = True
         return finish_collective(self, call.method, call.workers, results, errors, [refs[r] for r in pending],
                                  call.timeout)
 

@@ -234,7 +234,6 @@ class MultiprocessExecutor(Executor):
         for w in call.workers:
             while call in self._in_flight[w]:
                 self._answer_next(w)
-        call.done = True
         raise_first(call.errors)
         return [call.results[w] for w in call.workers]
 
