@@ -2,7 +2,7 @@
 generate (SDPA), same model, same prompts, greedy, in one run.
 
     python benchmarks/cuda_graphs.py [--dtype {bfloat16,float32}] [--num-requests 32] [--max-new-tokens 64]
-                                     [--long-context 4000] [--repeats 3]
+                                     [--long-context 4000] [--repeats 3] [--shape llama-1b] [--profile]
 
 The model has the default model's architecture (SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 KV heads) with
 random weights and a minimal tokenizer, so the benchmark runs on a GPU machine that has no default model; prompts are
@@ -36,18 +36,26 @@ DEFAULT_SHAPES = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers
                       eos_token_id=2, pad_token_id=2)
 
 
-def build_checkpoint(out: Path) -> Path:
+# Llama-3.2-1B's shapes (its config.json): 1.24B parameters, where weights rather than launches set a step's time
+LLAMA_1B_SHAPES = dict(DEFAULT_SHAPES, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                       rope_theta=500000.0)
+SHAPES = {"smollm2-135m": DEFAULT_SHAPES, "llama-1b": LLAMA_1B_SHAPES}
+
+
+def build_checkpoint(out: Path, shapes: dict = DEFAULT_SHAPES) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**DEFAULT_SHAPES), dtype=torch.float32)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):   # random init of 1B weights: seconds on a GPU
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**shapes), dtype=torch.bfloat16)
     model.save_pretrained(out)
-    minimal_tokenizer(DEFAULT_SHAPES["vocab_size"]).save_pretrained(out)
+    minimal_tokenizer(shapes["vocab_size"]).save_pretrained(out)
     return out
 
 
 def random_prompts(num: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)   # ids below the smaller vocabulary: the same prompts for every shape
     return [torch.randint(3, DEFAULT_SHAPES["vocab_size"], (int(torch.randint(lo, hi + 1, (1,), generator=g)),),
                           generator=g).tolist() for _ in range(num)]
 
@@ -91,6 +99,24 @@ class HfStatic:
                             do_sample=False, eos_token_id=None, pad_token_id=2)
 
 
+def kernels_per_decode_step(engine, prompt, steps: int = 16) -> tuple[float, list[tuple[str, int]]]:
+    """CUDA kernels one batch-1 decode step launches (a generate of `steps` tokens less one of 1 token, over
+    torch.profiler), and the most frequent kernel names of the decode steps."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def count(new):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate([prompt], new)
+            torch.cuda.synchronize()
+        return Counter(e.name for e in prof.events() if e.device_type.name == "CUDA")
+
+    many, one = count(steps + 1), count(1)
+    decode = many - one
+    return sum(decode.values()) / steps, [(name, n // steps) for name, n in decode.most_common(12)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -98,11 +124,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--long-context", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES),
+                        help="the architecture's shapes (random weights)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also count the CUDA kernels of a batch-1 decode step (eager and graphed)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/cuda_graphs.py needs a CUDA device")
     print(f"machine: {machine_description()}; GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
-    print(f"model: SmolLM2-135M architecture, random weights, {args.dtype}")
+    print(f"model: {args.shape} architecture, random weights, {args.dtype}")
     batch = random_prompts(args.num_requests, 32, 96, seed=0)
     single = random_prompts(1, 64, 64, seed=1)
     long = random_prompts(1, args.long_context, args.long_context, seed=2)
@@ -112,7 +142,7 @@ def main() -> None:
         "long": (long, 64),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = build_checkpoint(Path(tmp) / "smollm2-shapes")
+        checkpoint = build_checkpoint(Path(tmp) / args.shape, SHAPES[args.shape])
         engines = {"graphs": Elastic(checkpoint, args.dtype, args.num_requests, False),
                    "eager": Elastic(checkpoint, args.dtype, args.num_requests, True),
                    "hf": HfStatic(checkpoint, args.dtype, args.num_requests, False)}
@@ -126,6 +156,15 @@ def main() -> None:
                 for w, (prompts, new) in workloads.items():
                     samples[name, w].append(timed(lambda: engine.generate(prompts, new)))
                 prefill_only[name].append(timed(lambda: engine.generate(long, 1)))
+        kv = engines["graphs"].model.memory_report()
+        print(f"KV cache of 4 GiB: {kv['kv_blocks']} blocks of {kv['kv_block_bytes']} bytes "
+              f"({kv['kv_blocks'] * 16} tokens)")
+        if args.profile:
+            for name in ("eager", "graphs"):
+                per_step, top = kernels_per_decode_step(engines[name], single[0])
+                print(f"{engines[name].label}: {per_step:.0f} CUDA kernels per batch-1 decode step; most frequent:")
+                for kernel, n in top:
+                    print(f"  {n:5d}  {kernel[:110]}")
     med = {k: statistics.median(v) for k, v in samples.items()}
     rate = {(e, w): len(workloads[w][0]) * workloads[w][1] / med[e, w] for e, w in med}
     # time per output token over the long context: (64 tokens - the prefill's first one) / 63

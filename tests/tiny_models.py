@@ -82,9 +82,25 @@ def minimal_tokenizer(vocab_size: int):
                                    pad_token="</s>")
 
 
+def byte_tokenizer():
+    """A byte-level BPE with no merges: "<unk>", "<s>", "</s>" and one token per byte (ids 3-258). Any text has a
+    tokenization, so a grammar engine can constrain output to JSON or a regex on a machine without the default
+    model (a GPU machine); model vocabularies above 259 leave the other ids without text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()   # the 256 printable stand-ins for bytes, in no fixed order
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + i for i, ch in enumerate(sorted(alphabet))}}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+
+
 def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0, tokenizer: str = "default", **overrides) -> Path:
     """Save tiny_hf_model(arch, seed, **overrides) with a tokenizer to out_dir (once): the default model's, or
-    (tokenizer="minimal") minimal_tokenizer, which needs no default model."""
+    minimal_tokenizer (tokenizer="minimal") or byte_tokenizer ("bytes"), which need no default model."""
     from transformers import AutoTokenizer
 
     from elastic_hf.model.loader import resolve_model
@@ -98,6 +114,8 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0, tokenizer: st
     model.save_pretrained(tmp)
     if tokenizer == "minimal":
         minimal_tokenizer(model.config.vocab_size).save_pretrained(tmp)
+    elif tokenizer == "bytes":
+        byte_tokenizer().save_pretrained(tmp)
     else:
         AutoTokenizer.from_pretrained(resolve_model(None, dtype="float32").checkpoint_dir).save_pretrained(tmp)
     tmp.rename(out_dir)

@@ -94,6 +94,11 @@ def sample(logits: torch.Tensor, seqs: list,
     # torch's argmax semantics (the first maximum; NaN counts as the maximum) on the native kernel: 0.15 ms for a
     # batch-32 step over 49k logits, against 0.45 ms for max(dim).indices and 0.80 for torch's CPU argmax
     tokens: list[int | None] = argmax_rows(logits)
+    if logits.device.type != "cpu" and any(
+            seq.sampler_state.processors or seq.sampler_state.generator is not None for seq in seqs):
+        # Processors, warpers and draws run on the host, with each request's CPU generator (so a seed samples the
+        # same tokens on either device): one copy of the step's logits, only when a row needs more than argmax.
+        logits = logits.cpu()                                                             # [num_seqs, vocab]
     failures: dict[int, Exception] = {}
     warped: list[int] = []               # sampled rows whose warpers run batched
     processed: dict[int, torch.Tensor] = {}   # row -> its logits after its own processors

@@ -22,6 +22,7 @@ class KVPagePool:
         self.arena = arena
         self.max_blocks = max_blocks
         self._attached: set[int] = set()
+        self._prefix: bool | None = True    # attached == {0 .. n-1}; None: not known since the last change
         # [max_blocks, block_numel]: the whole reserved range; only attached rows are ever touched.
         self._base = arena.view(0, (max_blocks, layout.block_numel), layout.dtype, require_committed=False)
         self._layer_views = [self._layer_view(i) for i in range(layout.num_layers)]
@@ -56,7 +57,27 @@ class KVPagePool:
 
     @property
     def committed_bytes(self) -> int:
-        return self.num_blocks * self.layout.block_bytes
+        return self.arena.committed_bytes
+
+    # Blocks smaller than a page share pages with their neighbours (KVLayout.block_bytes): a page is committed
+    # while any attached block touches it, and decommitted once none does.
+    def _commit_block(self, block_id: int) -> None:
+        first, end = self.layout.page_span(block_id)
+        page = self.arena.page_size
+        self.arena.commit(first * page, (end - first) * page)   # pages a neighbour committed cost nothing
+
+    def _pages_only_of(self, block_ids, keep) -> list[int]:
+        """Pages that blocks `block_ids` touch and no block for which keep(block) is true touches."""
+        layout, bb, page = self.layout, self.layout.block_bytes, self.arena.page_size
+        pages = sorted({p for b in block_ids for p in range(*layout.page_span(b))})
+        return [p for p in pages
+                if not any(keep(b) for b in range(p * page // bb, min(((p + 1) * page - 1) // bb + 1,
+                                                                        self.max_blocks)))]
+
+    def _decommit_pages(self, pages: list[int]) -> None:
+        page = self.arena.page_size
+        for p in pages:
+            self.arena.decommit(p * page, page)
 
     def attach_blocks(self, num_blocks: int) -> list[int]:
         """Commit `num_blocks` unattached slots (lowest ids first); returns their ids for the control plane's
@@ -68,21 +89,65 @@ class KVPagePool:
         committed: list[int] = []
         try:
             for block_id in slots:
-                self.arena.commit(block_id * self.layout.block_bytes, self.layout.block_bytes)
+                self._commit_block(block_id)
                 committed.append(block_id)
         finally:
             self._attached.update(committed)
+            self._prefix = None
         return committed
+
+    def attachable_within(self, nbytes: int) -> int:
+        """How many blocks attach_blocks could attach with `nbytes` of budget: the lowest free slots, counting only
+        the pages they would newly commit."""
+        layout, attached = self.layout, len(self._attached)
+        budget_pages = max(nbytes, 0) // self.arena.page_size
+        if layout.block_bytes % self.arena.page_size == 0:      # blocks of whole pages: no sharing to count
+            return min(self.max_blocks - attached, budget_pages * self.arena.page_size // layout.block_bytes)
+        if attached == 0 or (attached - 1 in self._attached and self._is_prefix()):
+            # blocks 0 .. n-1 (pools grow and shrink at their tail): whole pages from the start, in O(1)
+            within = layout.blocks_within(layout.bytes_for_blocks(attached) + budget_pages * self.arena.page_size)
+            return min(self.max_blocks, within) - attached
+        new_pages: set[int] = set()
+        count = 0
+        for block_id in range(self.max_blocks):
+            if block_id in self._attached:
+                continue
+            first, end = self.layout.page_span(block_id)
+            page = self.arena.page_size
+            fresh = {p for p in range(first, end) if p not in new_pages and not self.arena.is_committed(p * page, page)}
+            if len(new_pages) + len(fresh) > budget_pages:
+                break
+            new_pages |= fresh
+            count += 1
+        return count
+
+    def _is_prefix(self) -> bool:
+        """Whether the attached blocks are exactly 0 .. n-1 (cached until the next attach or detach)."""
+        if self._prefix is None:
+            self._prefix = max(self._attached, default=-1) == len(self._attached) - 1
+        return self._prefix
 
     def detach_blocks(self, block_ids: list[int]) -> None:
         """Decommit blocks the control plane detached from its allocator (free ones only: their pages go back to
-        the budget, and with them whatever they held)."""
+        the budget, and with them whatever they held; a page an attached neighbour shares stays)."""
         unknown = [b for b in block_ids if b not in self._attached]
         if unknown:
             raise ValueError(f"blocks {unknown[:8]} are not attached ({len(self._attached)} attached)")
+        self._attached.difference_update(block_ids)
+        self._prefix = None
+        self._decommit_pages(self._pages_only_of(block_ids, self._attached.__contains__))
+
+    def trim_to(self, live: set[int]) -> list[int]:
+        """Decommit the pages of every attached block not in `live` that no live block shares, leaving them
+        attached (a reshape's rollback recommits them with recommit); returns the trimmed block ids."""
+        trimmed = [b for b in sorted(self._attached) if b not in live]
+        self._decommit_pages(self._pages_only_of(trimmed, live.__contains__))
+        return trimmed
+
+    def recommit(self, block_ids: list[int]) -> None:
+        """Commit trimmed blocks again (they were free: zero pages are fine)."""
         for block_id in block_ids:
-            self.arena.decommit(block_id * self.layout.block_bytes, self.layout.block_bytes)
-            self._attached.discard(block_id)
+            self._commit_block(block_id)
 
     def resize(self, resize: KVResize) -> list[int]:
         """Apply a KV manager's resize (kv/kv_manager.py): decommit the given free blocks, commit `attach` more

@@ -3,14 +3,22 @@ torch's 5-7 ops (to, pow, mean as sum + div, add, rsqrt, mul, mul). The module i
 linears of packed_linear.py, and keeps its `weight` and `variance_epsilon`, so swaps and reshapes that write the
 weight see no difference. The formula is HF's LlamaRMSNorm (Qwen2 and Mistral use the same); results equal the
 eager ones up to the order of the sum of squares (fp32: the last bit; bf16: identical after rounding, almost
-always). A norm whose input or weight the kernel does not take (another dtype, a GPU tensor) runs HF's own
-forward."""
+always). On a GPU the same formula runs as one Triton kernel (native/triton_elementwise.py). A norm whose input or
+weight no kernel takes (another dtype, a device without its kernel) runs HF's own forward."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from elastic_hf.native import triton_elementwise
 from elastic_hf.native.fused_elementwise import native_elementwise_available, rms_norm
+
+
+def fused_norm_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """A fused RMSNorm kernel for this dtype on this device: C on the CPU, Triton on CUDA."""
+    if device.type == "cpu":
+        return native_elementwise_available(dtype, device)
+    return triton_elementwise.triton_elementwise_available(dtype, device)
 
 
 class NativeRMSNorm(nn.Module):
@@ -22,9 +30,12 @@ class NativeRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if (hidden_states.dtype == weight.dtype and hidden_states.device.type == "cpu"
-                and native_elementwise_available(weight.dtype, weight.device)):
-            return rms_norm(hidden_states, weight, self.variance_epsilon)   # [..., hidden] -> [..., hidden]
+        if hidden_states.dtype == weight.dtype and hidden_states.device == weight.device:
+            if hidden_states.device.type == "cpu" and native_elementwise_available(weight.dtype, weight.device):
+                return rms_norm(hidden_states, weight, self.variance_epsilon)   # [..., hidden] -> [..., hidden]
+            if hidden_states.device.type == "cuda" and triton_elementwise.triton_elementwise_available(
+                    weight.dtype, weight.device):
+                return triton_elementwise.rms_norm(hidden_states, weight, self.variance_epsilon)
         return self.eager_class.forward(self, hidden_states)
 
 
@@ -36,7 +47,7 @@ def use_native_norms(modules: list[nn.Module], norm_class_name: str) -> int:
         if type(module).__name__ != norm_class_name:
             continue
         weight = module.weight
-        if weight.dim() != 1 or not native_elementwise_available(weight.dtype, weight.device):
+        if weight.dim() != 1 or not fused_norm_available(weight.dtype, weight.device):
             continue
         module.eager_class = type(module)
         module.__class__ = NativeRMSNorm

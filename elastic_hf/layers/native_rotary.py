@@ -6,8 +6,9 @@ than the layer's attention).
 HF's attention forward calls the function by its module-global name, so the function is wrapped where it lives,
 once per process, like the modules of native_norm.py are switched where they sit. The wrapper is bit-identical to
 the original (tests/layers/test_native_rotary.py compares them bit for bit), so a plain HF model of the same
-architecture in the same process computes exactly what it computed before; whatever the kernel does not take (a
-GPU tensor, fp16, a batch of several rows, another unsqueeze_dim, autograd) goes to the original."""
+architecture in the same process computes exactly what it computed before; whatever the kernel does not take (fp16
+on the CPU, a batch of several rows, another unsqueeze_dim, autograd) goes to the original. CUDA tensors go to the
+Triton version of the kernel (native/triton_elementwise.py) where Triton is installed."""
 from __future__ import annotations
 
 import functools
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from elastic_hf.native import triton_elementwise
 from elastic_hf.native.rotary import apply_rotary, native_rotary_available
 
 
@@ -27,27 +29,38 @@ def _takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     _, _, tokens, head_dim = q.shape
     return (q.shape[0] == k.shape[0] == 1 and k.shape[2:] == q.shape[2:] and head_dim % 2 == 0
             and cos.shape == sin.shape == (1, tokens, head_dim) and cos.stride() == sin.stride()
-            and q.dtype == k.dtype == cos.dtype == sin.dtype and q.device.type == "cpu"
+            and q.dtype == k.dtype == cos.dtype == sin.dtype
             and q.stride(3) == k.stride(3) == cos.stride(2) == 1
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
-            and native_rotary_available(q.dtype, q.device))
+            and _kernel_for(q) is not None)
+
+
+def _kernel_for(q: torch.Tensor) -> Callable | None:
+    if q.device.type == "cpu":
+        return apply_rotary if native_rotary_available(q.dtype, q.device) else None
+    if q.device.type == "cuda" and triton_elementwise.triton_elementwise_available(q.dtype, q.device):
+        return triton_elementwise.apply_rotary
+    return None
 
 
 def _native_version(eager: Callable) -> Callable:
     @functools.wraps(eager)   # keeps the name and doc; __wrapped__ is the original
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if _takes(q, k, cos, sin, unsqueeze_dim):
-            return apply_rotary(q, k, cos, sin)
+            return _kernel_for(q)(q, k, cos, sin)
         return eager(q, k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb.elastic_native = True
     return apply_rotary_pos_emb
 
 
-def use_native_rotary(modeling_module: str, function_name: str) -> bool:
-    """Wrap `function_name` of `modeling_module` (HF's Llama rotary formula) with the native kernel, once. True
-    when the native version is in place."""
-    if not native_rotary_available(torch.float32, torch.device("cpu")):
+def use_native_rotary(modeling_module: str, function_name: str, device: torch.device | None = None) -> bool:
+    """Wrap `function_name` of `modeling_module` (HF's Llama rotary formula) with the kernel of `device` (default:
+    the CPU), once. True when the wrapped version is in place and has a kernel for that device."""
+    device = torch.device(device or "cpu")
+    available = native_rotary_available(torch.float32, device) if device.type == "cpu" else \
+        triton_elementwise.triton_elementwise_available(torch.float32, device)
+    if not available:
         return False
     module = importlib.import_module(modeling_module)
     current = getattr(module, function_name)

@@ -35,7 +35,7 @@ from elastic_hf.model.cuda_graph_runner import CudaGraphRunner
 from elastic_hf.model.runner import ModelRunner
 from elastic_hf.model.weight_placement import WeightLayout
 from elastic_hf.patches import ArchAdapter, get_adapter
-from elastic_hf.units import format_bytes, parse_memory_budget
+from elastic_hf.units import format_bytes, parse_memory_budget, round_up
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +123,13 @@ class ModelInstance:
     def kv_capacity(self, tp: int, rank: int, layers: tuple[int, int] | None = None) -> int:
         """KV blocks this worker can hold as shard (tp, rank) of `layers` once its weights are that shard."""
         free = self.budget.total_bytes - self.weights.shard_bytes(tp, rank, layers) - self.headroom_bytes
-        return max(free, 0) // self.kv_layout(tp, rank, layers).block_bytes
+        return self.kv_layout(tp, rank, layers).blocks_within(free)
 
     def new_pool(self, tp: int, rank: int, num_blocks: int, layers: tuple[int, int] | None = None) -> KVPagePool:
         """A KV pool for shard (tp, rank) of `layers` with `num_blocks` blocks attached; its arena reserves room for
         the whole budget, since morphs may hand the KV cache every byte the weights give up."""
         layout = self.kv_layout(tp, rank, layers)
-        max_blocks = self.budget.total_bytes // layout.block_bytes
+        max_blocks = layout.blocks_within(self.budget.total_bytes)
         if num_blocks > max_blocks:
             raise ValueError(f"{num_blocks} KV blocks exceed the {max_blocks} that fit the worker's budget of "
                              f"{format_bytes(self.budget.total_bytes)}")
@@ -172,20 +172,21 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     elif config.packed_weights == "on":
         raise ValueError("packed_weights='on' needs oneDNN's weight reorder (torch.ops.mkldnn) and "
                          "ELASTIC_HF_CPU_GEMM unset or 'onednn'")
-    # The elementwise work around the GEMMs in single native passes: every RMSNorm, the MLPs whose gate/up were
-    # just fused (silu(gate) * up straight from their product), and the rotary embedding of q and k.
+    # The elementwise work around the GEMMs in single passes (C on the CPU, Triton on CUDA): every RMSNorm, the
+    # MLPs' silu(gate) * up (on the CPU straight from the gate/up product just fused), and the rotary embedding.
     adapter = loaded.adapter
     num_norms = 0 if adapter.rms_norm_class is None else use_native_norms(
         adapter.norms(loaded.hf_model, loaded.layers), adapter.rms_norm_class)
-    num_mlps = use_swiglu_mlps(adapter.mlps(loaded.layers), getattr(loaded.hf_config, "hidden_act", None))
+    num_mlps = use_swiglu_mlps(adapter.mlps(loaded.layers), getattr(loaded.hf_config, "hidden_act", None), device)
     rotary = adapter.rotary_function is not None and use_native_rotary(adapter.modeling_module,
-                                                                       adapter.rotary_function)
+                                                                       adapter.rotary_function, device)
     if num_norms or num_mlps or rotary:
         log.info("%d RMSNorms and %d MLPs on native fused kernels; rotary embedding %s", num_norms, num_mlps,
                  "native" if rotary else "eager")
     tp1_bytes = weights.shard_bytes(1, 0)
     if config.memory_budget is None:
-        total = tp1_bytes + config.kv_bytes_per_worker + headroom_bytes
+        # whole pages: the KV arena commits pages (2 MiB on CUDA), which neighbouring blocks share
+        total = tp1_bytes + round_up(config.kv_bytes_per_worker, page_size) + headroom_bytes
     else:
         total = parse_memory_budget(config.memory_budget, device_total_bytes(device))
     attention = choose_attention_backend(device, loaded.dtype, loaded.head_dim, config.block_size)
@@ -205,12 +206,13 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
         else:
             runner = CudaGraphRunner.capture_decodes(runner, loaded.layers, config.max_num_seqs)
     instance = ModelInstance(loaded, weights, budget, page_size, config.block_size, headroom_bytes, runner)
-    block_bytes = instance.kv_layout(1, 0).block_bytes
+    block_bytes = instance.kv_layout(1, 0).bytes_for_blocks(1)   # one block: whole pages
     kv_bytes = total - tp1_bytes - headroom_bytes
     if kv_bytes < block_bytes:  # a TP1 instance of this worker must hold at least one KV block
         raise ValueError(f"memory_budget={format_bytes(total)} leaves {format_bytes(max(kv_bytes, 0))} for the KV "
                          f"cache after {format_bytes(tp1_bytes)} of weights"
                          + (f" and {format_bytes(headroom_bytes)} of morph headroom" if headroom_bytes else "")
-                         + f"; one KV block needs {format_bytes(block_bytes)}")
+                         + f"; one KV block needs {format_bytes(block_bytes)} (whole {format_bytes(page_size)} "
+                         f"pages of the {device.type} arena)")
     budget.total_bytes = total
     return instance

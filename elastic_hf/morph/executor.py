@@ -94,17 +94,17 @@ class MorphExecutor:
             gained[precision] = sum(freed) // len(freed) // block_bytes
         return MorphInfo(self.store.num_layers, self.store.precisions, gained, block_bytes, self.store.report())
 
-    def _has_room(self, nbytes: int, keep_headroom: bool) -> bool:
-        missing = nbytes + (self.headroom_bytes if keep_headroom else 0) - self.budget.free_bytes
+    def _has_room(self, nbytes: int, keep_headroom: bool, returned_at_switch: int) -> bool:
+        # the headroom is the largest quantized slot, so headroom - returned >= 0 and nbytes always fits
+        reserve = max(0, self.headroom_bytes - returned_at_switch) if keep_headroom else 0
+        missing = nbytes + reserve - self.budget.free_bytes
         if missing > 0:
             self._room_needed = max(self._room_needed, missing)
         return missing <= 0
 
     def _spare_blocks(self) -> int:
         """KV blocks the budget allows beyond the headroom, up to the pool's reserved slots."""
-        pool = self.pool
-        spare = (self.budget.free_bytes - self.headroom_bytes) // pool.layout.block_bytes
-        return max(0, min(pool.max_blocks - pool.num_blocks, spare))
+        return self.pool.attachable_within(self.budget.free_bytes - self.headroom_bytes)
 
     def sync(self, command: MorphCommand) -> MorphReport:
         """Apply a command at a step boundary (no forward pass runs): queue the swaps, switch the layers whose copy

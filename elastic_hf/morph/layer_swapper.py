@@ -59,10 +59,11 @@ class SwapCounters:
 
 class LayerSwapper:
     def __init__(self, layers: nn.ModuleList, store: LayerStore, arena: PageArena, weights, copier,
-                 make_room: Callable[[int, bool], bool]):
+                 make_room: Callable[[int, bool, int], bool]):
         """weights: PlacedWeights or ShardedWeights (fp_region(layer), slot(layer, precision)). make_room(nbytes,
-        keep_headroom) -> True when the budget has nbytes free now (with the headroom still free after it when
-        keep_headroom); a swap that does not fit waits (the control plane detaches free KV blocks for it)."""
+        keep_headroom, returned_at_switch) -> True when the budget has nbytes free now and, when keep_headroom, the
+        headroom free once the switch has given back the source's returned_at_switch bytes; a swap that does not
+        fit waits (the control plane detaches free KV blocks for it)."""
         self.layers = layers
         self.store = store
         self.arena = arena
@@ -130,8 +131,11 @@ class LayerSwapper:
 
     def _start(self, job: _Job) -> None:
         dst = self.region(job.layer, job.dst)
-        # A quantized slot may use the headroom; a restore to fp must leave it free for the next morph.
-        if not self.make_room(dst.nbytes, job.dst == "fp"):
+        # A quantized slot may use the headroom; a restore to fp must leave it free for the next morph once the
+        # quantized slot it leaves is given back at the switch. Counting that slot matters where the fp KV cache is
+        # smaller than a slot: demanding the whole headroom beside both copies would wait forever for the last
+        # restore (the copy borrows the headroom only until its switch).
+        if not self.make_room(dst.nbytes, job.dst == "fp", self.region(job.layer, job.src).nbytes):
             job.waiting_for_room = True  # a swap that would need live KV blocks waits for them to free up
             return
         try:

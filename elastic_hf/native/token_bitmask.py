@@ -29,11 +29,14 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Te
         kernel(logits.data_ptr(), logits.stride(0), logits.shape[1], index.data_ptr(), len(rows),
                bitmask.data_ptr(), bitmask.shape[1], torch.get_num_threads())
         return
-    # little-endian int32 words as bytes, unpacked low bit first: token order
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")   # [n, 32W]
-    allowed = torch.from_numpy(bits).to(torch.bool)
-    vocab, width = logits.shape[1], min(logits.shape[1], bits.shape[1])
-    sub = logits.index_select(0, index.to(logits.device))                               # [n, V]
-    sub[:, :width].masked_fill_(~allowed[:, :width].to(logits.device), float("-inf"))
-    sub[:, width:vocab] = float("-inf")
-    logits.index_copy_(0, index.to(logits.device), sub)
+    # The model's logits are inference tensors (made under torch.inference_mode), which torch lets only code in
+    # that mode update in place (on a GPU, where this path runs, the first constrained request failed here).
+    with torch.inference_mode():
+        # little-endian int32 words as bytes, unpacked low bit first: token order
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")   # [n, 32W]
+        allowed = torch.from_numpy(bits).to(torch.bool)
+        vocab, width = logits.shape[1], min(logits.shape[1], bits.shape[1])
+        sub = logits.index_select(0, index.to(logits.device))                               # [n, V]
+        sub[:, :width].masked_fill_(~allowed[:, :width].to(logits.device), float("-inf"))
+        sub[:, width:vocab] = float("-inf")
+        logits.index_copy_(0, index.to(logits.device), sub)

@@ -45,6 +45,12 @@ class ReshapePlan:
                                  f"{self.new_num_blocks.get(idx, 0)}")
 
 
+def _pages_of(block_ids, block_bytes: int, page_size: int) -> int:
+    """Arena pages the blocks touch (blocks smaller than a page share pages: KVLayout.block_bytes)."""
+    return len({p for b in block_ids
+                for p in range(b * block_bytes // page_size, -(-(b + 1) * block_bytes // page_size))})
+
+
 def transition_overflow(plan: ReshapePlan, footprints: list[dict]) -> list[tuple[int, int, int]]:
     """(worker, bytes needed, budget) of every changing worker whose budget the transaction would exceed before the
     commit point: the larger of its weights while the KV migrates and after the weights phase, its old pool's live
@@ -54,8 +60,11 @@ def transition_overflow(plan: ReshapePlan, footprints: list[dict]) -> list[tuple
         old_role, new_role = plan.old.role(worker), plan.new.role(worker)
         if plan.is_kept(worker) or (old_role is None and new_role is None):
             continue
-        old_kv = len(plan.live_old_blocks[old_role.instance]) * fp["old_block_bytes"] if old_role else 0
-        new_kv = plan.num_live_new_blocks[new_role.instance] * fp["new_block_bytes"] if new_role else 0
+        page = fp["page_size"]
+        old_kv = _pages_of(plan.live_old_blocks[old_role.instance], fp["old_block_bytes"], page) * page \
+            if old_role else 0
+        new_kv = _pages_of(range(plan.num_live_new_blocks[new_role.instance]), fp["new_block_bytes"], page) * page \
+            if new_role else 0
         need = max(fp["weights_mid_bytes"], fp["weights_after_bytes"]) + old_kv + new_kv + fp["headroom_bytes"]
         if need > fp["budget_bytes"]:
             over.append((worker, need, fp["budget_bytes"]))

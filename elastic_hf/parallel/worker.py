@@ -200,7 +200,7 @@ class Worker:
         return {"budget_bytes": self.budget.total_bytes, "headroom_bytes": self.instance.headroom_bytes,
                 "weights_mid_bytes": mid, "weights_after_bytes": after,
                 "old_block_bytes": block(o, old_layers) if o is not None else 0,
-                "new_block_bytes": block(n, new_layers) if n is not None else 0}
+                "new_block_bytes": block(n, new_layers) if n is not None else 0, "page_size": self.instance.page_size}
 
     def init_kv(self, num_blocks: int) -> int:
         """Create this worker's KV pool for its role in the current topology with blocks 0..num_blocks-1 attached

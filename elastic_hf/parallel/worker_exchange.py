@@ -79,4 +79,4 @@ class KVExchangeParticipant:
         if pool is None:
             return 0
         free = worker.budget.free_bytes - worker.instance.headroom_bytes
-        return max(0, min(free // pool.layout.block_bytes, pool.max_blocks - pool.num_blocks))
+        return pool.attachable_within(free)

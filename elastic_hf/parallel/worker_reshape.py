@@ -85,13 +85,7 @@ class ReshapeParticipant:
         pool = worker.pool
         if pool is not None:
             # The old pool keeps its live blocks until the commit point (rollback needs them); the rest go back.
-            live = set(plan.live_old_blocks[old_role[0]])
-            block_bytes = pool.layout.block_bytes
-            for block_id in range(pool.max_blocks):
-                offset = block_id * block_bytes
-                if block_id not in live and pool.arena.is_committed(offset, block_bytes):
-                    pool.arena.decommit(offset, block_bytes)
-                    txn["trimmed"].append(block_id)
+            txn["trimmed"].extend(pool.trim_to(set(plan.live_old_blocks[old_role[0]])))
         self._check_fault("kv_trim")
         return txn["stats"]
 
@@ -214,9 +208,7 @@ class ReshapeParticipant:
             worker.weights.set_role(old_tp, old_rank, old_group, txn["old_layers"])
         pool = worker.pool
         if pool is not None:
-            block_bytes = pool.layout.block_bytes
-            for block_id in txn["trimmed"]:  # they were free: zero pages are fine
-                pool.arena.commit(block_id * block_bytes, block_bytes)
+            pool.recommit(txn["trimmed"])
         return worker.memory_report()
 
 

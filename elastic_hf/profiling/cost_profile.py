@@ -74,7 +74,7 @@ class MicroBatchTimer:
         loaded = load_model(checkpoint_dir, config.dtype, worker_device(config, 0))
         layout = KVLayout(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, block_size, loaded.dtype,
                           config.page_size or default_page_size(loaded.device))
-        config = replace(config, kv_cache_memory=max_blocks * layout.block_bytes)
+        config = replace(config, kv_cache_memory=layout.bytes_for_blocks(max_blocks))
         self.instance = build_instance(config, loaded, lambda budget, page: PlacedWeights.place(
             loaded.hf_model, loaded.layers, budget, loaded.device, page))
         self.instance.set_pool(self.instance.new_pool(1, 0, max_blocks))

@@ -136,11 +136,13 @@ def test_bitmask_kernel_equals_the_torch_path(monkeypatch):
     bitmask = torch.randint(-2**31, 2**31 - 1, (3, 49152 // 32), dtype=torch.int32)
     bitmask[:, :4] = 0
     bitmask[:, 4:8] = -1
-    logits = torch.randn(5, vocab)
+    with torch.inference_mode():   # as the model makes them: inference tensors, masked outside that mode
+        logits = torch.randn(5, vocab)
     native = logits.clone()
     token_bitmask.apply_token_bitmask(native, rows, bitmask)
     monkeypatch.setattr(token_bitmask, "_kernel", lambda: None)
-    fallback = logits.clone()
+    with torch.inference_mode():
+        fallback = logits.clone()
     token_bitmask.apply_token_bitmask(fallback, rows, bitmask)
     assert torch.equal(native, fallback)
     assert torch.equal(native[1], logits[1]) and torch.equal(native[4], logits[4])   # rows without a mask

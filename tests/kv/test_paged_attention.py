@@ -96,11 +96,12 @@ def test_layers_do_not_overwrite_each_other():
 
 def test_decodes_over_chunk_gather_match_sdpa_for_odd_head_dim_and_equal_lengths(attention_path):
     """Blocks are padded to whole [block_size, head_dim] chunks even when a chunk does not divide the page
-    (head_dim 24 -> 384-byte chunks, 4096-byte pages); decodes of equal lengths take the no-bias path."""
+    (head_dim 24 -> 384-byte chunks, 4096-byte pages, blocks straddling pages); decodes of equal lengths take the
+    no-bias path."""
     torch.manual_seed(1)
     head_dim, num_layers = 24, 3
     layout = KVLayout(num_layers, NUM_KV_HEADS, head_dim, BLOCK, torch.float32, 4096)
-    assert layout.block_bytes % layout.chunk_bytes == 0 and layout.block_bytes % 4096 == 0
+    assert layout.block_bytes % layout.chunk_bytes == 0 and layout.block_bytes % 4096 != 0
     arena = create_arena("cpu", 16 * layout.block_bytes, MemoryBudget(1 << 30), "kv")
     pool = KVPagePool(layout, arena, 16, 16)
     allocator = KVManager(pool.num_blocks, BLOCK)

@@ -67,7 +67,9 @@ def test_fp32_graphs_match_hf_and_eager(checkpoint):
         assert mixed == [w[:8] for w in want[:3]] + want[3:]
         assert graphs.num_replays >= 2 * MAX_NEW and 1 <= graphs.num_captures <= len(graphs.sizes)
     with _load(checkpoint, dtype="float32", enforce_eager=True) as eager:
-        assert eager.worker.instance.runner.decode_graphs is None
+        from elastic_hf.model.cuda_graph_runner import CudaGraphRunner
+
+        assert not isinstance(eager.worker.instance.runner, CudaGraphRunner)   # the plain ModelRunner
         assert _greedy(eager, prompts) == want
 
 

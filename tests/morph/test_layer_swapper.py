@@ -157,13 +157,20 @@ def test_restore_waits_for_live_kv_blocks(tiny_checkpoint):
         engine.add_request(f"hog-{k}", list(range(1 + k, 181 + k)), SamplingParams(max_tokens=8, ignore_eos=True))
     while engine.scheduler.waiting:
         engine.step()
+    # and one that leaves 2 free blocks
+    rest = model.instances[0].engine.scheduler.kv.num_free - 2
+    engine.add_request("hog-rest", list(range(7, 7 + 16 * rest - 8)), SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.scheduler.waiting:
+        engine.step()
     free = model.instances[0].engine.scheduler.kv.num_free
-    missing = (model.worker.weights.placement.layers[0].nbytes + model.worker.morph.headroom_bytes
+    # the fp region, and the headroom once the switch gives the W4 slot back
+    placement = model.worker.weights.placement
+    missing = (placement.layers[0].nbytes + model.worker.morph.headroom_bytes - placement.slots[0]["w4"].nbytes
                - model.worker.budget.free_bytes)
     assert free < -(-missing // _block_bytes(model))
     state = model.morph.to_precision("all", "fp")
     assert state["pending"] and state["waiting_for_kv_blocks"] and state["layer_counts"]["w4"] == 3
-    assert model.instances[0].engine.scheduler.kv.num_free == free          # nothing was detached for a restore that waits
+    assert model.instances[0].engine.scheduler.kv.num_free == free   # nothing was detached for a restore that waits
     while engine.has_unfinished_requests():
         engine.step()                                  # the hook retries the restore at every boundary
     assert model.morph.state()["layer_counts"]["fp"] == 3
