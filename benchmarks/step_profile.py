@@ -112,18 +112,25 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--packed-weights", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--model", default=None, help="a checkpoint directory or a shape of benchmarks/model_shapes.py "
+                                                   "(default: the default model)")
     args = ap.parse_args(argv)
     if args.steps < 1 or min(args.batches) < 1:
         ap.error(f"--steps and --batches must be >= 1, got {args.steps} and {args.batches}")
 
     from elastic_hf import ElasticModel
+    from model_shapes import SHAPES, prompt_tokenizer, random_checkpoint
 
-    model = ElasticModel.from_pretrained(dtype=args.dtype, packed_weights=args.packed_weights,
+    checkpoint = args.model
+    if checkpoint in SHAPES:
+        checkpoint = str(random_checkpoint(checkpoint))
+    model = ElasticModel.from_pretrained(checkpoint, dtype=args.dtype, packed_weights=args.packed_weights,
                                          max_num_seqs=max(args.batches), max_num_batched_tokens=2048)
-    prompts = wikitext_prompts(model.tokenizer, max(args.batches), args.context, args.context)
+    tokenizer = model.tokenizer if checkpoint is None else prompt_tokenizer(checkpoint)
+    prompts = wikitext_prompts(tokenizer, max(args.batches), args.context, args.context)
     model.generate(prompts[:2], max_tokens=4, ignore_eos=True)   # warm-up
     print(f"machine: {machine_description()}")
-    print(f"model: SmolLM2-135M-Instruct {args.dtype}, packed weights {args.packed_weights}; decode steps at "
+    print(f"model: {args.model or 'SmolLM2-135M-Instruct'} {args.dtype}, packed weights {args.packed_weights}; decode steps at "
           f"context ~{args.context}, {args.steps} steps per batch size")
     for batch in args.batches:
         r = profile_batch(model, prompts[:batch], args.steps)
