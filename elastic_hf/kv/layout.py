@@ -20,6 +20,13 @@ import torch
 from elastic_hf.units import round_up
 
 
+def block_page_span(block_id: int, block_bytes: int, page_size: int) -> tuple[int, int]:
+    """[first, end) pages of an arena of `page_size` pages that block `block_id` of `block_bytes` bytes touches
+    (blocks smaller than a page share pages: KVLayout.block_bytes)."""
+    start = block_id * block_bytes
+    return start // page_size, -(-(start + block_bytes) // page_size)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     num_layers: int
@@ -69,8 +76,7 @@ class KVLayout:
 
     def page_span(self, block_id: int) -> tuple[int, int]:
         """[first, end) arena pages that block `block_id` touches."""
-        start = block_id * self.block_bytes
-        return start // self.page_size, -(-(start + self.block_bytes) // self.page_size)
+        return block_page_span(block_id, self.block_bytes, self.page_size)
 
     def blocks_within(self, nbytes: int) -> int:
         """How many blocks, laid out from block 0, fit in `nbytes` of whole pages."""

@@ -99,22 +99,21 @@ class KVPagePool:
     def attachable_within(self, nbytes: int) -> int:
         """How many blocks attach_blocks could attach with `nbytes` of budget: the lowest free slots, counting only
         the pages they would newly commit."""
-        layout, attached = self.layout, len(self._attached)
-        budget_pages = max(nbytes, 0) // self.arena.page_size
-        if layout.block_bytes % self.arena.page_size == 0:      # blocks of whole pages: no sharing to count
-            return min(self.max_blocks - attached, budget_pages * self.arena.page_size // layout.block_bytes)
+        layout, attached, page = self.layout, len(self._attached), self.arena.page_size
+        budget_pages = max(nbytes, 0) // page
+        if layout.block_bytes % page == 0:      # blocks of whole pages: no sharing to count
+            return min(self.max_blocks - attached, budget_pages * page // layout.block_bytes)
         if attached == 0 or (attached - 1 in self._attached and self._is_prefix()):
             # blocks 0 .. n-1 (pools grow and shrink at their tail): whole pages from the start, in O(1)
-            within = layout.blocks_within(layout.bytes_for_blocks(attached) + budget_pages * self.arena.page_size)
+            within = layout.blocks_within(layout.bytes_for_blocks(attached) + budget_pages * page)
             return min(self.max_blocks, within) - attached
         new_pages: set[int] = set()
         count = 0
         for block_id in range(self.max_blocks):
             if block_id in self._attached:
                 continue
-            first, end = self.layout.page_span(block_id)
-            page = self.arena.page_size
-            fresh = {p for p in range(first, end) if p not in new_pages and not self.arena.is_committed(p * page, page)}
+            fresh = {p for p in range(*layout.page_span(block_id))
+                     if p not in new_pages and not self.arena.is_committed(p * page, page)}
             if len(new_pages) + len(fresh) > budget_pages:
                 break
             new_pages |= fresh

@@ -14,11 +14,13 @@ from elastic_hf.native import triton_elementwise
 from elastic_hf.native.fused_elementwise import native_elementwise_available, rms_norm
 
 
-def fused_norm_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """A fused RMSNorm kernel for this dtype on this device: C on the CPU, Triton on CUDA."""
+def _norm_kernel(dtype: torch.dtype, device: torch.device):
+    """The fused RMSNorm for this dtype on this device (C on the CPU, Triton on CUDA), or None."""
     if device.type == "cpu":
-        return native_elementwise_available(dtype, device)
-    return triton_elementwise.triton_elementwise_available(dtype, device)
+        return rms_norm if native_elementwise_available(dtype, device) else None
+    if device.type == "cuda" and triton_elementwise.triton_elementwise_available(dtype, device):
+        return triton_elementwise.rms_norm
+    return None
 
 
 class NativeRMSNorm(nn.Module):
@@ -31,11 +33,9 @@ class NativeRMSNorm(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if hidden_states.dtype == weight.dtype and hidden_states.device == weight.device:
-            if hidden_states.device.type == "cpu" and native_elementwise_available(weight.dtype, weight.device):
-                return rms_norm(hidden_states, weight, self.variance_epsilon)   # [..., hidden] -> [..., hidden]
-            if hidden_states.device.type == "cuda" and triton_elementwise.triton_elementwise_available(
-                    weight.dtype, weight.device):
-                return triton_elementwise.rms_norm(hidden_states, weight, self.variance_epsilon)
+            kernel = _norm_kernel(weight.dtype, weight.device)
+            if kernel is not None:
+                return kernel(hidden_states, weight, self.variance_epsilon)   # [..., hidden] -> [..., hidden]
         return self.eager_class.forward(self, hidden_states)
 
 
@@ -47,7 +47,7 @@ def use_native_norms(modules: list[nn.Module], norm_class_name: str) -> int:
         if type(module).__name__ != norm_class_name:
             continue
         weight = module.weight
-        if weight.dim() != 1 or not fused_norm_available(weight.dtype, weight.device):
+        if weight.dim() != 1 or _norm_kernel(weight.dtype, weight.device) is None:
             continue
         module.eager_class = type(module)
         module.__class__ = NativeRMSNorm

@@ -32,13 +32,14 @@ def _takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
             and q.dtype == k.dtype == cos.dtype == sin.dtype
             and q.stride(3) == k.stride(3) == cos.stride(2) == 1
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
-            and _kernel_for(q) is not None)
+            and _kernel_for(q.dtype, q.device) is not None)
 
 
-def _kernel_for(q: torch.Tensor) -> Callable | None:
-    if q.device.type == "cpu":
-        return apply_rotary if native_rotary_available(q.dtype, q.device) else None
-    if q.device.type == "cuda" and triton_elementwise.triton_elementwise_available(q.dtype, q.device):
+def _kernel_for(dtype: torch.dtype, device: torch.device) -> Callable | None:
+    """The one-pass rotary for this dtype on this device (C on the CPU, Triton on CUDA), or None."""
+    if device.type == "cpu":
+        return apply_rotary if native_rotary_available(dtype, device) else None
+    if device.type == "cuda" and triton_elementwise.triton_elementwise_available(dtype, device):
         return triton_elementwise.apply_rotary
     return None
 
@@ -47,7 +48,7 @@ def _native_version(eager: Callable) -> Callable:
     @functools.wraps(eager)   # keeps the name and doc; __wrapped__ is the original
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if _takes(q, k, cos, sin, unsqueeze_dim):
-            return _kernel_for(q)(q, k, cos, sin)
+            return _kernel_for(q.dtype, q.device)(q, k, cos, sin)
         return eager(q, k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb.elastic_native = True
@@ -57,10 +58,7 @@ def _native_version(eager: Callable) -> Callable:
 def use_native_rotary(modeling_module: str, function_name: str, device: torch.device | None = None) -> bool:
     """Wrap `function_name` of `modeling_module` (HF's Llama rotary formula) with the kernel of `device` (default:
     the CPU), once. True when the wrapped version is in place and has a kernel for that device."""
-    device = torch.device(device or "cpu")
-    available = native_rotary_available(torch.float32, device) if device.type == "cpu" else \
-        triton_elementwise.triton_elementwise_available(torch.float32, device)
-    if not available:
+    if _kernel_for(torch.float32, torch.device(device or "cpu")) is None:
         return False
     module = importlib.import_module(modeling_module)
     current = getattr(module, function_name)

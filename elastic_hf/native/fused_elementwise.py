@@ -27,7 +27,7 @@ def native_elementwise_available(dtype: torch.dtype, device: torch.device) -> bo
     return device.type == "cpu" and dtype in _SUFFIX and _kernels() is not None
 
 
-def _rows_2d(x: torch.Tensor) -> torch.Tensor:
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last] with the last dim contiguous and rows at one stride (a view where possible)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -39,7 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.dtype != x.dtype or weight.shape != (x.shape[-1],) or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous [{x.shape[-1]}] {x.dtype} tensor, got "
                          f"{tuple(weight.shape)} {weight.dtype}")
-    rows = _rows_2d(x)                                       # [rows, dim]
+    rows = rows_2d(x)                                        # [rows, dim]
     out = torch.empty(rows.shape, dtype=x.dtype)
     norm(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), rows.shape[0],
          rows.shape[1], eps, torch.get_num_threads())
@@ -51,7 +51,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _, swiglu = _kernels()[gate_up.dtype]
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must be 2 x the intermediate size, got {gate_up.shape[-1]}")
-    rows = _rows_2d(gate_up)                                 # [rows, 2 * inter]
+    rows = rows_2d(gate_up)                                  # [rows, 2 * inter]
     inter = rows.shape[1] // 2
     out = torch.empty(rows.shape[0], inter, dtype=gate_up.dtype)
     swiglu(rows.data_ptr(), rows.stride(0), out.data_ptr(), out.stride(0), rows.shape[0], inter,

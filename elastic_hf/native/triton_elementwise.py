@@ -7,27 +7,28 @@ rotary.c).
 Each kernel rounds where eager torch rounds (bf16: every product and sum that torch stores). On an H100 silu-and-mul
 equals torch bit for bit in bf16, RMSNorm up to the order of its sum of squares (> 98 % of bf16 elements equal), and
 the rotary embedding within one bf16 ulp on some elements (why is not established: each product is rounded as
-torch rounds it; tests/layers/test_triton_elementwise.py). Sizes come from tensor shapes
-only and nothing syncs with the host, so a captured step replays them. TRITON_INTERPRET=1 runs them on CPU tensors
-(tests/layers/test_triton_elementwise.py)."""
+torch rounds it; tests/layers/test_triton_elementwise.py). Sizes come from tensor shapes only and nothing syncs
+with the host, so a captured step replays them. TRITON_INTERPRET=1 runs them on CPU tensors (fp32 only: the
+interpreter truncates where bf16 rounds)."""
 from __future__ import annotations
 
 import os
 
 import torch
 
+from elastic_hf.native.fused_elementwise import rows_2d
 from elastic_hf.native.triton_paged import _triton
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# Triton reads it when the kernels below are defined (import time), so it is read once here too
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_elementwise_available(dtype: torch.dtype, device: torch.device) -> bool:
     """On CUDA with Triton installed (or on the CPU under TRITON_INTERPRET=1, for tests), for fp32/bf16/fp16."""
-    on_device = device.type == "cuda" or (device.type == "cpu" and _interpreted())
+    on_device = device.type == "cuda" or (device.type == "cpu" and _INTERPRETED)
     return on_device and dtype in _DTYPES and _triton() is not None
 
 
@@ -81,8 +82,8 @@ if _TRITON is not None:
 
     @triton.jit
     def _rotary_kernel(q_ptr, q_stride_h, q_stride_t, q_out_ptr, q_out_stride_h, q_out_stride_t, q_heads,
-               k_ptr, k_stride_h, k_stride_t, k_out_ptr, k_out_stride_h, k_out_stride_t,
-               cos_ptr, sin_ptr, cs_stride_t, half, HALF: tl.constexpr):
+                       k_ptr, k_stride_h, k_stride_t, k_out_ptr, k_out_stride_h, k_out_stride_t,
+                       cos_ptr, sin_ptr, cs_stride_t, half, HALF: tl.constexpr):
         # program (token, head of q then of k): one launch for both
         token, head = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, HALF)
@@ -97,26 +98,16 @@ if _TRITON is not None:
                     k_out_ptr + kh * k_out_stride_h + token * k_out_stride_t, cos_ptr, sin_ptr, cs, d, mask, half)
 
 
-def _kernels():
-    return _rms_norm_kernel, _silu_mul_kernel, _rotary_kernel
-
-
-def _rows_2d(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, last] with the last dim contiguous and rows at one stride (a view where possible)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm of x [..., dim] with weight [dim] of x's dtype; returns a new tensor of x's shape."""
     if weight.dtype != x.dtype or weight.shape != (x.shape[-1],) or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous [{x.shape[-1]}] {x.dtype} tensor, got "
                          f"{tuple(weight.shape)} {weight.dtype}")
-    rows = _rows_2d(x)                                       # [rows, dim]
+    rows = rows_2d(x)                                        # [rows, dim]
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        _kernels()[0][(rows.shape[0],)](rows, rows.stride(0), weight, out, out.stride(0), rows.shape[1], eps,
-                                        BLOCK=_next_pow2(rows.shape[1]))
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows.stride(0), weight, out, out.stride(0), rows.shape[1], eps,
+                                           BLOCK=_next_pow2(rows.shape[1]))
     return out.view(x.shape)
 
 
@@ -125,12 +116,12 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and "
                          f"{tuple(up.shape)} {up.dtype}")
-    g, u = _rows_2d(gate), _rows_2d(up)                      # [rows, inter]
+    g, u = rows_2d(gate), rows_2d(up)                        # [rows, inter]
     out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     block = min(1024, _next_pow2(g.shape[1]))
     if g.shape[0]:
-        _kernels()[1][(g.shape[0], -(-g.shape[1] // block))](g, g.stride(0), u, u.stride(0), out, out.stride(0),
-                                                               g.shape[1], BLOCK=block)
+        _silu_mul_kernel[(g.shape[0], -(-g.shape[1] // block))](g, g.stride(0), u, u.stride(0), out, out.stride(0),
+                                                                g.shape[1], BLOCK=block)
     return out.view(gate.shape)
 
 
@@ -147,7 +138,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     k_out = torch.empty(1, tokens, k_heads, head_dim, dtype=k.dtype, device=k.device).transpose(1, 2)
     if tokens:
         half = head_dim // 2
-        _kernels()[2][(tokens, q_heads + k_heads)](
+        _rotary_kernel[(tokens, q_heads + k_heads)](
             q, q.stride(1), q.stride(2), q_out, q_out.stride(1), q_out.stride(2), q_heads,
             k, k.stride(1), k.stride(2), k_out, k_out.stride(1), k_out.stride(2),
             cos, sin, cos.stride(1), half, HALF=_next_pow2(half))

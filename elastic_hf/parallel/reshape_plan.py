@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from elastic_hf.topology import Topology
 from elastic_hf.kv.migration_plan import BlockMove, KVTransfer
+from elastic_hf.kv.layout import block_page_span
 
 
 WEIGHT_SOURCES = ("host", "peers")
@@ -46,9 +47,8 @@ class ReshapePlan:
 
 
 def _pages_of(block_ids, block_bytes: int, page_size: int) -> int:
-    """Arena pages the blocks touch (blocks smaller than a page share pages: KVLayout.block_bytes)."""
-    return len({p for b in block_ids
-                for p in range(b * block_bytes // page_size, -(-(b + 1) * block_bytes // page_size))})
+    """Arena pages the blocks touch (blocks smaller than a page share pages)."""
+    return len({p for b in block_ids for p in range(*block_page_span(b, block_bytes, page_size))})
 
 
 def transition_overflow(plan: ReshapePlan, footprints: list[dict]) -> list[tuple[int, int, int]]:

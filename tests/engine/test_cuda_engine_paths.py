@@ -93,7 +93,7 @@ def check_kv_grows_under_load(checkpoint, device: str) -> None:
     W4, the KV cache takes the freed pages and admits the queue; once idle, every layer is restored and the cache is
     its old size (also where that cache is smaller than a W4 slot: the last restore must not wait for room it can
     never get), and the model decodes as before the load."""
-    from morph.morph_helpers import assert_bit_identical, snapshot, tiny_morph_model
+    from morph.morph_helpers import FAST_CONTROLLER, assert_bit_identical, snapshot, tiny_morph_model
 
     from elastic_hf.memory import default_page_size
 
@@ -106,9 +106,7 @@ def check_kv_grows_under_load(checkpoint, device: str) -> None:
         prompts = [list(range(10 + k, 58 + k)) for k in range(num_requests)]
         want = [roomy.generate(p, max_tokens=16, ignore_eos=True).outputs[0].token_ids for p in prompts[:3]]
     model = tiny_morph_model(str(checkpoint), device=device, morph="default", kv_cache_memory=kv_bytes,
-                             max_num_seqs=64,
-                             controller=dict(persistence_steps=2, window_steps=2, queue_delay_threshold_s=1e-3,
-                                             restore_persistence_steps=4, restore_hold_s=0.0))
+                             max_num_seqs=64, controller=FAST_CONTROLLER)
     original = snapshot(model)
     engine = model.instances[0].engine
     fp_blocks = model.worker.pool.num_blocks

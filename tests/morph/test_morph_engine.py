@@ -10,7 +10,7 @@ import torch
 
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.memory import process_rss_bytes
-from morph_helpers import assert_bit_identical, snapshot, tiny_morph_model
+from morph_helpers import FAST_CONTROLLER, assert_bit_identical, snapshot, tiny_morph_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -102,10 +102,8 @@ def test_controller_morphs_under_kv_exhaustion_and_restores_when_load_ends(tiny_
     model = tiny_morph_model(tiny_checkpoint("llama"), morph="default", kv_cache_memory=10 * 12288,
                              max_num_seqs=32,
                              # The fp cache stalls at 8 of 10 blocks (80 % < 85 %) with the queue head unable to
-                             # get its 3 blocks: the queue-delay trigger must fire. 1 ms instead of 100 ms makes
-                             # that independent of how fast this machine runs a step.
-                             controller=dict(persistence_steps=2, window_steps=2, queue_delay_threshold_s=1e-3,
-                                             restore_persistence_steps=4, restore_hold_s=0.0))
+                             # get its 3 blocks: the queue-delay trigger must fire.
+                             controller=FAST_CONTROLLER)
     original = snapshot(model)
     engine = model.instances[0].engine
     fp_blocks = model.worker.pool.num_blocks
