@@ -2,18 +2,23 @@
 (default mode), side by side in one run, under the same memory budget (MorphServe §5).
 
 The three servers run one after another in this process (uvicorn in a thread, like the serving tests) over the
-default model. The defaults are the regime MorphServe targets: the fp KV cache (16 blocks) holds about one request,
-so full precision is KV-bound (it prints the share of time its queue's head waited for KV blocks), not
-compute-bound; with a 48-block cache static W4 itself gained only 1.6x. The arrival rate keeps it there: at 0.75
-req/s, once the in-process servers built their models on the engine thread (~1.5x faster steps), the fp server's
-queue waited for KV only 5 % of the time and the gain fell to 1.7; at 1.5 req/s it waits ~20 % again. Each server replays `--runs` times,
-alternating, and the gain is the median with its spread. Quality is
-the held-out wikitext perplexity as a function of how many layers run in W4 (in the swap order), weighted by
-the tokens each server generated at each layer count: static fp loses nothing, static W4 loses
-ppl(all) - ppl(0), and `morph_quality_kept` = 1 - (morph's token-weighted loss) / (static W4's loss).
+default model. The memory regime is the papers' (benchmarks/regime.py): the fp instance's KV cache is sized so that
+its weights are `--weight-share` of weights + KV (default 0.5, then 0.3), not a few blocks beside them. In that
+regime a 2-core CPU saturates its compute (prefill at ~2 ms a token) long before the trace's requests fill the KV
+cache, so the fp server rarely waits for KV blocks (the table's "KV wait") and morphing has little to trade; the
+old regime, where the fp cache held about one request and every gain was KV (weights ~97 % of memory), is
+`--kv-blocks 16`. Each server replays `--runs` times, alternating, and the gain is the median with its spread.
+Quality is the held-out wikitext perplexity as a function of how many layers run in W4 (in the swap order),
+weighted by the tokens each server generated at each layer count: static fp loses nothing, static W4 loses
+ppl(all) - ppl(0); `morph_quality_kept` = 1 - (morph's token-weighted loss) / (static W4's loss) and
+`morph_quality_vs_static_w4` = ppl(static W4) / (morph's token-weighted perplexity).
 
-    python benchmarks/morph_replay.py [--runs 3 --num-requests 48 --rate 1.5 --kv-blocks 16 --plot out/benchmarks/morph_replay.png]
-"""
+    python benchmarks/morph_replay.py [--weight-share 0.5,0.3 | --kv-blocks 16] [--runs 3 --num-requests 48
+                                      --rate 1.5 --plot out/benchmarks/morph_replay.png]
+
+Prints per regime a table and `RESULT morph_p95_ttft_gain_ws50`, `..._min/_max`, `morph_fp_kv_wait_share_ws50`,
+`morph_quality_kept_ws50`, `morph_quality_vs_static_w4_ws50`, `static_w4_p95_ttft_gain_ws50` (ws30 likewise)."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,6 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import InProcessServer, machine_description, result_path  # noqa: E402
+from regime import (add_weight_share_arg, kv_bytes_for_share, measured_weights_bytes, median_spread,  # noqa: E402
+                    parse_weight_shares, share_label)
 from replay import (TRACE_NAME, TraceScale, build_requests, load_trace, run_replay, scale_trace,  # noqa: E402
                     time_scale_for_rate)
 
@@ -124,57 +131,14 @@ def plot(path: str, recorder: Recorder, t0: float) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num-requests", type=int, default=48)
-    ap.add_argument("--start", type=int, default=0)
-    ap.add_argument("--rate", type=float, default=1.5, help="mean arrival rate after time scaling (req/s)")
-    ap.add_argument("--prompt-scale", type=float, default=1 / 8)
-    ap.add_argument("--max-prompt-tokens", type=int, default=128)
-    ap.add_argument("--max-output-tokens", type=int, default=32)
-    ap.add_argument("--kv-blocks", type=int, default=16,
-                    help="fp KV cache, in blocks of 16 tokens: small enough that fp waits for KV, not compute")
-    ap.add_argument("--ttft-slo", type=float, default=2.0)
-    ap.add_argument("--tpot-slo", type=float, default=0.5)
-    ap.add_argument("--ppl-windows", type=int, default=4)
-    ap.add_argument("--ppl-seq-len", type=int, default=256)
-    ap.add_argument("--runs", type=int, default=3, help="replays per server; the gain is the median over runs")
-    ap.add_argument("--plot", default=str(result_path("morph_replay.png")))
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--servers", default="fp,w4,morph",
-                    help="which servers to run, comma-separated (static W4 is impractical where the int-pack "
-                         "kernels are much slower than fp32, e.g. this project's 2-core CI CPU)")
-    args = ap.parse_args(argv)
-
-    from transformers import AutoTokenizer
-
-    from elastic_hf.model.loader import resolve_model
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir)
-    rows = load_trace(None, start=args.start, num_requests=args.num_requests)
-    scale = TraceScale(time_scale_for_rate(rows, args.rate), args.prompt_scale, 1.0, args.max_prompt_tokens,
-                       args.max_output_tokens)
-    requests = build_requests(scale_trace(rows, scale), tokenizer)
-    block_bytes = 30 * 3 * 2 * 16 * 64 * 4   # SmolLM2-135M fp32: layers x kv heads x K/V x tokens x head_dim x 4 B
-    kv_bytes = args.kv_blocks * block_bytes
-    print(f"machine: {machine_description()}, device {args.device}, load average {os.getloadavg()[0]:.1f}")
-    print(f"model: SmolLM2-135M-Instruct fp32; fp KV cache {args.kv_blocks} blocks x 16 tokens "
-          f"({kv_bytes / 2**20:.1f} MiB); same budget for all servers")
-    print(f"trace: {TRACE_NAME} rows {args.start}..{args.start + len(rows) - 1}; scale: {scale.describe()}; "
-          f"{len(requests)} requests at {args.rate} req/s")
-
-    kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
-    if not {"fp", "morph"} <= set(kinds) or not set(kinds) <= {"fp", "w4", "morph"}:
-        ap.error(f"--servers must include fp and morph (and may include w4), got {args.servers!r}")
-    if args.runs < 1:
-        ap.error(f"--runs must be >= 1, got {args.runs}")
-    # runs[i][kind] = (report, recorder, replay start); the servers alternate within a run so drift in the
-    # machine's speed hits all of them alike
+def replay_regime(args, kinds: list[str], requests, kv_bytes: int, max_model_len: int) -> list[dict[str, tuple]]:
+    """`args.runs` rounds of every server under one KV budget; runs[i][kind] = (report, recorder, replay start).
+    The servers alternate within a round so drift in the machine's speed hits all of them alike."""
     runs: list[dict[str, tuple]] = []
     for run in range(args.runs):
         runs.append({})
         for kind in kinds:
-            server = InProcessServer(lambda: load_model(kind, kv_bytes, min(512, args.kv_blocks * 16), args.device))
+            server = InProcessServer(lambda: load_model(kind, kv_bytes, max_model_len, args.device))
             model = server.model
             recorder = Recorder(model)
             try:
@@ -196,11 +160,12 @@ def main(argv=None) -> int:
             print(report.summary())
             del model, server
             gc.collect()
+    return runs
 
-    order = list(range(30))
-    curve = perplexity_curve(order, [0, 2, 4, 8, 12, 16, 22, 30], args.ppl_windows, args.ppl_seq_len)
-    print("\nheld-out perplexity with the first k layers in W4: "
-          + ", ".join(f"k={k}: {v:.3f}" for k, v in curve.items()))
+
+def report_regime(args, kinds: list[str], runs, curve: dict[int, float], suffix: str, plot_path: str) -> None:
+    """The table, the gains over static fp and the quality of one regime's runs, with RESULT lines (`suffix`
+    names the regime)."""
     loss_w4 = curve[30] - curve[0]
     tokens: dict[int, float] = {}   # over all morph runs
     for run in runs:
@@ -210,25 +175,27 @@ def main(argv=None) -> int:
     loss_morph = sum(n * (interpolate(curve, k) - curve[0]) for k, n in tokens.items()) / total
     share_quantized = sum(n * k for k, n in tokens.items()) / total / 30
     quality_kept = 1.0 - loss_morph / loss_w4 if loss_w4 > 0 else 1.0
+    # perplexity of static W4 over morph's token-weighted perplexity: > 1, morph's text is better than static W4's
+    quality_vs_w4 = curve[30] / (curve[0] + loss_morph)
 
     def gain(run, kind):   # fp's P95 TTFT over `kind`'s, within one run
         return run["fp"][0].ttft(95) / max(run[kind][0].ttft(95), 1e-9)
 
     gains = [gain(run, "morph") for run in runs]
     median_run = sorted(runs, key=lambda run: gain(run, "morph"))[len(runs) // 2]
-    plot(args.plot, median_run["morph"][1], median_run["morph"][2])
+    plot(plot_path, median_run["morph"][1], median_run["morph"][2])
     kv_wait = [run["fp"][1].kv_wait_share(run["fp"][0].duration_s) for run in runs]
 
-    print(f"\nmedians over {args.runs} run(s)")
-    print(f"{'server':8s} {'TTFT P50':>9s} {'P95':>8s} {'P99':>8s} {'TPOT P99':>9s} {'SLO':>6s} {'tok/s':>7s} "
-          f"{'KV wait':>8s}")
+    print(f"\nmedians over {args.runs} run(s) [min-max]")
+    print("| server | TTFT P50 s | TTFT P95 s | TTFT P99 s | TPOT P99 s | SLO | tok/s | KV wait |\n"
+          "|---|---|---|---|---|---|---|---|")
     for kind in kinds:
-        def med(f):
-            return statistics.median(f(run[kind]) for run in runs)
-        print(f"{kind:8s} {med(lambda r: r[0].ttft(50)):9.3f} {med(lambda r: r[0].ttft(95)):8.3f} "
-              f"{med(lambda r: r[0].ttft(99)):8.3f} {med(lambda r: r[0].tpot(99)):9.4f} "
-              f"{100 * med(lambda r: r[0].slo_attainment):5.1f}% {med(lambda r: r[0].output_throughput):7.1f} "
-              f"{100 * med(lambda r: r[1].kv_wait_share(r[0].duration_s)):7.0f}%")
+        def col(f, digits=3):
+            return median_spread([f(run[kind]) for run in runs], digits)
+        print(f"| {kind} | {col(lambda r: r[0].ttft(50))} | {col(lambda r: r[0].ttft(95))} | "
+              f"{col(lambda r: r[0].ttft(99))} | {col(lambda r: r[0].tpot(99), 4)} | "
+              f"{col(lambda r: 100 * r[0].slo_attainment, 1)} % | {col(lambda r: r[0].output_throughput, 1)} | "
+              f"{col(lambda r: 100 * r[1].kv_wait_share(r[0].duration_s), 0)} % |")
     print(f"fp server's head of the queue waited for KV blocks {100 * statistics.median(kv_wait):.0f} % of the time "
           f"(runs: {', '.join(f'{100 * w:.0f} %' for w in kv_wait)})")
     print(f"morph P95 TTFT gain per run: {', '.join(f'{g:.2f}' for g in gains)} (median {statistics.median(gains):.2f}, "
@@ -237,13 +204,79 @@ def main(argv=None) -> int:
         w4_gains = [gain(run, "w4") for run in runs]
         print(f"static W4 P95 TTFT gain per run: {', '.join(f'{g:.2f}' for g in w4_gains)} "
               f"(median {statistics.median(w4_gains):.2f})")
+        print(f"RESULT static_w4_p95_ttft_gain{suffix} {statistics.median(w4_gains):.3g}")
     print(f"morph: {100 * share_quantized:.1f} % of (token x layer) products ran in W4; token-weighted perplexity "
-          f"loss {loss_morph:.4f} vs static W4 {loss_w4:.4f}; plot (median run): {args.plot}")
-    print(f"RESULT morph_p95_ttft_gain {statistics.median(gains):.3g}")
-    print(f"RESULT morph_p95_ttft_gain_min {min(gains):.3g}")
-    print(f"RESULT morph_p95_ttft_gain_max {max(gains):.3g}")
-    print(f"RESULT morph_fp_kv_wait_share {statistics.median(kv_wait):.3g}")
-    print(f"RESULT morph_quality_kept {quality_kept:.3g}")
+          f"loss {loss_morph:.4f} vs static W4 {loss_w4:.4f}; plot (median run): {plot_path}")
+    print(f"RESULT morph_p95_ttft_gain{suffix} {statistics.median(gains):.3g}")
+    print(f"RESULT morph_p95_ttft_gain_min{suffix} {min(gains):.3g}")
+    print(f"RESULT morph_p95_ttft_gain_max{suffix} {max(gains):.3g}")
+    print(f"RESULT morph_fp_kv_wait_share{suffix} {statistics.median(kv_wait):.3g}")
+    print(f"RESULT morph_quality_kept{suffix} {quality_kept:.3g}")
+    print(f"RESULT morph_quality_vs_static_w4{suffix} {quality_vs_w4:.4g}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--rate", type=float, default=1.5, help="mean arrival rate after time scaling (req/s)")
+    ap.add_argument("--prompt-scale", type=float, default=1 / 8)
+    ap.add_argument("--max-prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-output-tokens", type=int, default=32)
+    add_weight_share_arg(ap)
+    ap.add_argument("--kv-blocks", type=int, default=None,
+                    help="an fp KV cache of this many blocks of 16 tokens instead of --weight-share (the old "
+                         "regime: 16 blocks beside 540 MB of weights, weights ~97 %% of memory)")
+    ap.add_argument("--ttft-slo", type=float, default=2.0)
+    ap.add_argument("--tpot-slo", type=float, default=0.5)
+    ap.add_argument("--ppl-windows", type=int, default=4)
+    ap.add_argument("--ppl-seq-len", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=3, help="replays per server; the gain is the median over runs")
+    ap.add_argument("--plot", default=str(result_path("morph_replay.png")))
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--servers", default="fp,w4,morph",
+                    help="which servers to run, comma-separated (static W4 is impractical where the int-pack "
+                         "kernels are much slower than fp32, e.g. this project's 2-core CI CPU)")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from elastic_hf.model.loader import resolve_model
+
+    kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
+    if not {"fp", "morph"} <= set(kinds) or not set(kinds) <= {"fp", "w4", "morph"}:
+        ap.error(f"--servers must include fp and morph (and may include w4), got {args.servers!r}")
+    if args.runs < 1:
+        ap.error(f"--runs must be >= 1, got {args.runs}")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir)
+    rows = load_trace(None, start=args.start, num_requests=args.num_requests)
+    scale = TraceScale(time_scale_for_rate(rows, args.rate), args.prompt_scale, 1.0, args.max_prompt_tokens,
+                       args.max_output_tokens)
+    requests = build_requests(scale_trace(rows, scale), tokenizer)
+    block_bytes = 30 * 3 * 2 * 16 * 64 * 4   # SmolLM2-135M fp32: layers x kv heads x K/V x tokens x head_dim x 4 B
+    print(f"machine: {machine_description()}, device {args.device}, load average {os.getloadavg()[0]:.1f}")
+    print(f"trace: {TRACE_NAME} rows {args.start}..{args.start + len(rows) - 1}; scale: {scale.describe()}; "
+          f"{len(requests)} requests at {args.rate} req/s")
+    if args.kv_blocks is not None:
+        regimes = [("", args.kv_blocks * block_bytes, f"fp KV cache {args.kv_blocks} blocks")]
+    else:
+        probe = load_model("fp", 1 << 20, 256, args.device)
+        weights = measured_weights_bytes(probe)
+        probe.close()
+        regimes = [(f"_{share_label(share)}", kv_bytes_for_share(weights, share),
+                    f"weights {share:.0%} of the instance's memory")
+                   for share in parse_weight_shares(args.weight_share)]
+    order = list(range(30))
+    curve = perplexity_curve(order, [0, 2, 4, 8, 12, 16, 22, 30], args.ppl_windows, args.ppl_seq_len)
+    print("held-out perplexity with the first k layers in W4: "
+          + ", ".join(f"k={k}: {v:.3f}" for k, v in curve.items()))
+    for suffix, kv_bytes, label in regimes:
+        num_blocks = kv_bytes // block_bytes
+        print(f"\n=== regime: {label}: SmolLM2-135M-Instruct fp32, fp KV cache {kv_bytes / 2**20:.0f} MiB "
+              f"({num_blocks} blocks x 16 tokens); the same budget for every server")
+        runs = replay_regime(args, kinds, requests, kv_bytes, min(2048, max(256, num_blocks * 16)))
+        plot_path = args.plot if not suffix else str(Path(args.plot).with_stem(Path(args.plot).stem + suffix))
+        report_regime(args, kinds, runs, curve, suffix, plot_path)
     return 0
 
 

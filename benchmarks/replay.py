@@ -130,6 +130,11 @@ class RequestResult:
     tpot_s: float | None = None      # mean time per output token after the first
     latency_s: float | None = None   # send -> last byte
     error: str | None = None
+    # for joining with the server's own timeline (elastic-hf serve --timeline): the response id and the wall-clock
+    # times (time.time(), as the server logs them) of sending and of the first token
+    response_id: str | None = None
+    sent_at: float | None = None
+    first_token_at: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -205,6 +210,7 @@ class ReplayReport:
 # ---------------------------------------------------------------- replay
 async def _send(client: httpx.AsyncClient, url: str, body: dict, result: RequestResult) -> None:
     sent = time.perf_counter()
+    result.sent_at = time.time()
     first = last = None
     try:
         async with client.stream("POST", url, json=body) as resp:
@@ -218,11 +224,13 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, result: Request
                 if "error" in chunk:
                     result.error = chunk["error"].get("message", str(chunk["error"]))
                     return
+                result.response_id = result.response_id or chunk.get("id")
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 if any(c.get("text") for c in chunk.get("choices", ())):
                     last = time.perf_counter()
-                    first = first or last
+                    if first is None:
+                        first, result.first_token_at = last, time.time()
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return

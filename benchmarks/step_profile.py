@@ -13,6 +13,7 @@ batch and `RESULT step_ms_b<B> <ms>` and `RESULT step_non_gemm_share_b<B> <share
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -59,7 +60,6 @@ def top_level_ops(events) -> dict[str, float]:
 
 def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, float]:
     from elastic_hf.engine.sampling_params import SamplingParams
-    from elastic_hf.kv import paged_attention
 
     engine = model.instances[0].engine
     params = SamplingParams(temperature=0.0, max_tokens=2 * num_steps + 4, ignore_eos=True)
@@ -74,14 +74,16 @@ def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, 
         engine.step()
     unprofiled_ms = (time.perf_counter() - start) / num_steps * 1e3
 
-    original = paged_attention.paged_attention_forward
+    # the native kernels run through ctypes: label the attention backend's forward to see them (HF's layers reach it
+    # through the AttentionInterface function, the fused layers directly)
+    backend = model.worker.instance.runner.attention
+    original = backend.forward
 
-    def labelled(*args, **kwargs):   # the native kernel runs through ctypes: label it to see it
+    def labelled(*args, **kwargs):
         with record_function(ATTENTION_LABEL):
             return original(*args, **kwargs)
 
-    from transformers import AttentionInterface
-    AttentionInterface.register(paged_attention.ATTN_IMPLEMENTATION, labelled)
+    backend.forward = labelled
     try:
         walls = []
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -90,7 +92,7 @@ def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, 
                 engine.step()
                 walls.append(time.perf_counter() - start)
     finally:
-        AttentionInterface.register(paged_attention.ATTN_IMPLEMENTATION, original)
+        del backend.forward   # the class's method again
     while engine.has_unfinished_requests():
         engine.step()
     ops = top_level_ops(prof.events())
@@ -112,6 +114,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--packed-weights", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--fused-layers", nargs="+", default=["auto"], choices=("auto", "off"),
+                    help="decoder-layer forward(s) to time; both: side by side, alternating per round")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per batch and mode (default: 3 when "
+                                                              "comparing modes, else 1)")
     ap.add_argument("--model", default=None, help="a checkpoint directory or a shape of benchmarks/model_shapes.py "
                                                    "(default: the default model)")
     args = ap.parse_args(argv)
@@ -124,24 +130,43 @@ def main(argv=None) -> int:
     checkpoint = args.model
     if checkpoint in SHAPES:
         checkpoint = str(random_checkpoint(checkpoint))
-    model = ElasticModel.from_pretrained(checkpoint, dtype=args.dtype, packed_weights=args.packed_weights,
-                                         max_num_seqs=max(args.batches), max_num_batched_tokens=2048)
-    tokenizer = model.tokenizer if checkpoint is None else prompt_tokenizer(checkpoint)
+    modes = list(dict.fromkeys(args.fused_layers))
+    rounds = args.rounds or (3 if len(modes) > 1 else 1)
+    models = {mode: ElasticModel.from_pretrained(checkpoint, dtype=args.dtype, packed_weights=args.packed_weights,
+                                                 max_num_seqs=max(args.batches), max_num_batched_tokens=2048,
+                                                 fused_layers=mode) for mode in modes}
+    first = models[modes[0]]
+    tokenizer = first.tokenizer if checkpoint is None else prompt_tokenizer(checkpoint)
     prompts = wikitext_prompts(tokenizer, max(args.batches), args.context, args.context)
-    model.generate(prompts[:2], max_tokens=4, ignore_eos=True)   # warm-up
+    for model in models.values():
+        model.generate(prompts[:2], max_tokens=4, ignore_eos=True)   # warm-up
     print(f"machine: {machine_description()}")
-    print(f"model: {args.model or 'SmolLM2-135M-Instruct'} {args.dtype}, packed weights {args.packed_weights}; decode steps at "
-          f"context ~{args.context}, {args.steps} steps per batch size")
+    print(f"model: {args.model or 'SmolLM2-135M-Instruct'} {args.dtype}, packed weights {args.packed_weights}; decode "
+          f"steps at context ~{args.context}, {args.steps} steps per batch size; fused layers {', '.join(modes)}, "
+          f"{rounds} round(s) alternating")
     for batch in args.batches:
-        r = profile_batch(model, prompts[:batch], args.steps)
-        print(f"\nbatch {batch}: {r['step_ms']:.1f} ms/step ({r['profiled_step_ms']:.1f} under the profiler, which "
-              "the shares are of)")
-        for kind in ("gemm", "attention", "other ops", "python (no tensor op)"):
-            print(f"  {kind:24s} {100 * r['shares'].get(kind, 0.0):5.1f} %")
-        print("  largest other ops (ms/step): " + ", ".join(f"{n} {ms:.2f}" for n, ms in r["top_other"]))
-        print(f"RESULT step_ms_b{batch} {r['step_ms']:.2f}")
-        print(f"RESULT step_non_gemm_share_b{batch} {1 - r['shares'].get('gemm', 0.0):.3f}")
-    model.close()
+        results = {mode: [] for mode in modes}
+        for _ in range(rounds):
+            for mode in modes:
+                results[mode].append(profile_batch(models[mode], prompts[:batch], args.steps))
+        for mode in modes:
+            runs = results[mode]
+            r = sorted(runs, key=lambda r: r["step_ms"])[len(runs) // 2]   # the median round
+            spread = f" [{min(x['step_ms'] for x in runs):.1f}-{max(x['step_ms'] for x in runs):.1f}]" \
+                if len(runs) > 1 else ""
+            print(f"\nbatch {batch}, fused layers {mode}: {r['step_ms']:.1f}{spread} ms/step "
+                  f"({r['profiled_step_ms']:.1f} under the profiler, which the shares are of)")
+            for kind in ("gemm", "attention", "other ops", "python (no tensor op)"):
+                print(f"  {kind:24s} {100 * r['shares'].get(kind, 0.0):5.1f} %")
+            print("  largest other ops (ms/step): " + ", ".join(f"{n} {ms:.2f}" for n, ms in r["top_other"]))
+            suffix = "" if len(modes) == 1 else f"_{mode}"
+            print(f"RESULT step_ms_b{batch}{suffix} {r['step_ms']:.2f}")
+            print(f"RESULT step_non_gemm_share_b{batch}{suffix} {1 - r['shares'].get('gemm', 0.0):.3f}")
+        if len(modes) == 2:
+            med = {m: statistics.median(x["step_ms"] for x in results[m]) for m in modes}
+            print(f"RESULT fused_layers_speedup_b{batch} {med['off'] / med['auto']:.3f}")
+    for model in models.values():
+        model.close()
     return 0
 
 

@@ -19,7 +19,8 @@ both cores (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-N). Serving: `vllm serve` and `ela
 replaying the same trace window through benchmarks/replay.py (open loop, streaming, token-id prompts).
 
 Prints the table and `RESULT vs_vllm_throughput_fp32`, `RESULT vs_vllm_throughput_bf16` (ours / vLLM's tok/s),
-`RESULT vs_vllm_tpot_p50`, `RESULT vs_vllm_ttft_p50` (vLLM's / ours): > 1 means elastic-hf is faster."""
+`RESULT vs_vllm_tpot_p50`, `RESULT vs_vllm_ttft_p50`, `..._ttft_p95`, `..._ttft_p99` (vLLM's / ours): > 1 means
+elastic-hf is faster. The serving table also gives output throughput and SLO attainment (TTFT <= 2 s, TPOT <= 0.2 s)."""
 from __future__ import annotations
 
 import argparse
@@ -113,7 +114,8 @@ def serving(args, checkpoint: str, vllm: Path, env: dict) -> dict[str, dict[str,
     requests = build_requests(scale_trace(rows, scale), prompt_tokenizer(checkpoint))
     print(f"serving: {len(requests)} requests of the Azure code trace at {args.rate} req/s, {scale.describe()}, "
           f"{args.dtypes[0]}")
-    results: dict[str, dict[str, list[float]]] = {e: {"ttft": [], "tpot": [], "tput": []} for e in ("elastic", "vllm")}
+    keys = ("ttft", "ttft_p95", "ttft_p99", "tpot", "tput", "slo")
+    results: dict[str, dict[str, list[float]]] = {e: {k: [] for k in keys} for e in ("elastic", "vllm")}
     for round_index in range(args.repeats):
         for engine in ("vllm", "elastic"):
             # both with the same cores and threads (env); vLLM's server through its module, not the `vllm` script:
@@ -130,11 +132,12 @@ def serving(args, checkpoint: str, vllm: Path, env: dict) -> dict[str, dict[str,
             if not report.ok or len(report.ok) < len(requests):
                 raise RuntimeError(f"{engine}: {len(requests) - len(report.ok)} requests failed: "
                                    f"{[r.error for r in report.results if r.error][:3]}")
-            results[engine]["ttft"].append(report.ttft(50))
-            results[engine]["tpot"].append(report.tpot(50))
-            results[engine]["tput"].append(report.output_throughput)
-            tqdm.write(f"serving round {round_index + 1}: {engine:8s} TTFT p50 {report.ttft(50):.3f} s, "
-                       f"TPOT p50 {report.tpot(50):.4f} s, {report.output_throughput:.1f} tok/s")
+            for key, value in zip(keys, (report.ttft(50), report.ttft(95), report.ttft(99), report.tpot(50),
+                                         report.output_throughput, report.slo_attainment)):
+                results[engine][key].append(value)
+            tqdm.write(f"serving round {round_index + 1}: {engine:8s} TTFT p50/p95/p99 {report.ttft(50):.3f} / "
+                       f"{report.ttft(95):.3f} / {report.ttft(99):.3f} s, TPOT p50 {report.tpot(50):.4f} s, "
+                       f"{report.output_throughput:.1f} tok/s, SLO {100 * report.slo_attainment:.0f} %")
     return results
 
 
@@ -193,13 +196,19 @@ def main() -> int:
         served = serving(args, checkpoint, vllm, env)
         med = {e: {k: statistics.median(v) for k, v in r.items()} for e, r in served.items()}
         print("\n| serving | elastic-hf | vLLM CPU | > 1: elastic-hf better |\n|---|---|---|---|")
-        for key, label in (("ttft", "TTFT p50 s"), ("tpot", "TPOT p50 s"), ("tput", "output tok/s")):
-            ratio = med["vllm"][key] / med["elastic"][key]   # times: theirs / ours
-            if key == "tput":
-                ratio = 1 / ratio
+        for key, label in (("ttft", "TTFT p50 s"), ("ttft_p95", "TTFT p95 s"), ("ttft_p99", "TTFT p99 s"),
+                           ("tpot", "TPOT p50 s"), ("tput", "output tok/s"), ("slo", "SLO attainment")):
+            if key in ("tput", "slo"):   # more is better: ours / theirs
+                ratio = (med["elastic"][key] / med["vllm"][key] if med["vllm"][key]
+                         else float("inf") if med["elastic"][key] else float("nan"))
+            else:                        # times: theirs / ours
+                ratio = med["vllm"][key] / med["elastic"][key]
             print(f"| {label} | {med['elastic'][key]:.4f} | {med['vllm'][key]:.4f} | {ratio:.2f} |")
         results.append(f"RESULT vs_vllm_tpot_p50{suffix} {med['vllm']['tpot'] / med['elastic']['tpot']:.3f}")
         results.append(f"RESULT vs_vllm_ttft_p50{suffix} {med['vllm']['ttft'] / med['elastic']['ttft']:.3f}")
+        for q in ("p95", "p99"):
+            results.append(f"RESULT vs_vllm_ttft_{q}{suffix} "
+                           f"{med['vllm'][f'ttft_{q}'] / med['elastic'][f'ttft_{q}']:.3f}")
     print()
     for line in results:
         print(line)

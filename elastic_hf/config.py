@@ -147,6 +147,9 @@ class EngineConfig:
     # CPU linears on oneDNN prepacked weights (layers/packed_linear.py): auto | on | off. auto: on where it can
     # be (CPU, one worker, no morphing: weights that never change after load), off elsewhere.
     packed_weights: str = "auto"
+    # Llama-formula decoder layers (Llama, Qwen2, Mistral) run as one flat forward of ours on HF's own modules
+    # (layers/fused_decoder_layer.py): auto, on the CPU; off: HF's forward everywhere
+    fused_layers: str = "auto"
     block_size: int = 16                 # tokens per KV block
     # Automatic prefix caching (kv/prefix_cache.py, vLLM's APC): computed full blocks are found again by later
     # prompts with the same prefix. The hash: sha256 (vLLM's default) or builtin (Python's, faster, 64 bits).
@@ -197,6 +200,9 @@ class EngineConfig:
     # -- serving
     seed: int | None = None              # seeds requests that bring none, in order of acceptance (vLLM's --seed)
     chat_template: str | None = None     # Jinja text or a file holding it (see load_chat_template); None: the model's
+    # A JSON-lines file that gets a record per engine step and per finished request (engine/timeline.py): where a
+    # request's latency went under load. None: not written.
+    timeline: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.device, str):
@@ -257,6 +263,8 @@ class EngineConfig:
             self.morph = MorphConfig(**self.morph)
         self._check_overload()
         self._check_packed_weights()
+        if self.fused_layers not in ("auto", "off"):
+            raise ValueError(f"fused_layers must be 'auto' or 'off', got {self.fused_layers!r}")
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {PREFIX_CACHING_HASH_ALGOS}, got "
                              f"{self.prefix_caching_hash_algo!r}")

@@ -22,6 +22,7 @@ from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import Scheduler
 from elastic_hf.engine.sequence import Request, Sequence, SeqStatus
 from elastic_hf.engine.step_plan import ModelRunnerOutput, Runner, ScheduledSeq, SchedulerOutput, SeqStepInput
+from elastic_hf.engine.timeline import Timeline
 
 _RECENT_LATENCIES = 1024   # TTFT / TPOT samples kept for the next load snapshot
 
@@ -71,6 +72,7 @@ class LLMEngine:
         self._recent_ttft: deque[float] = deque(maxlen=_RECENT_LATENCIES)
         self._recent_tpot: deque[float] = deque(maxlen=_RECENT_LATENCIES)
         self.batches = BatchQueue(self)   # batches in flight of a pipelined instance (cross-step pipelining)
+        self.timeline: Timeline | None = None   # per-step and per-request records (engine/timeline.py), if asked
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int] | EngineRequest,
@@ -115,6 +117,8 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         self.metrics.on_request_finished("abort", request)
+        if self.timeline is not None:
+            self.timeline.on_request_finished(request)
         self._update_gauges()
 
     def has_unfinished_requests(self) -> bool:
@@ -127,12 +131,25 @@ class LLMEngine:
             hook(self)
         if self.batches.active():   # a pipelined instance: several batches in flight (engine/batch_queue.py)
             return self.batches.step()
+        start = time.time()
         scheduler_output = self.scheduler.schedule()
         self._count_prefix_cache(scheduler_output)
         if not scheduler_output:
             self._update_gauges()
             return []
-        return self._complete(scheduler_output, self._submit(scheduler_output)())
+        if self.timeline is None:
+            return self._complete(scheduler_output, self._submit(scheduler_output)())
+        mix = self.timeline.step_mix(scheduler_output)
+        outputs = self._complete(scheduler_output, self._submit(scheduler_output)())
+        self._record_step(start, scheduler_output, mix)
+        return outputs
+
+    def _record_step(self, start: float, scheduler_output: SchedulerOutput, mix: tuple[int, int, int]) -> None:
+        scheduler, kv = self.scheduler, self.scheduler.kv
+        admitted = sum(s.seq.scheduled_time is not None and s.seq.scheduled_time >= start for s in scheduler_output)
+        self.timeline.on_step(start, time.time(), mix, admitted=admitted, waiting=len(scheduler.waiting),
+                              running=len(scheduler.running), kv_used=kv.num_used, kv_total=kv.num_total,
+                              preemptions=scheduler.num_preemptions)
 
     def _count_prefix_cache(self, scheduler_output: SchedulerOutput) -> None:
         if scheduler_output.prefix_cache_queries:
@@ -294,6 +311,8 @@ class LLMEngine:
         if request.is_finished and output is not None:
             del self.requests[request.request_id]
             self.metrics.on_request_finished("error" if request.error else request.seqs[0].finish_reason, request)
+            if self.timeline is not None:
+                self.timeline.on_request_finished(request)
         return output
 
     def adopt(self, request: Request, block_ids: dict[int, list[int]], recompute: bool = False,

@@ -22,6 +22,7 @@ from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.attention_backends import LayerAttention, choose_attention_backend
 from elastic_hf.kv.paged_attention import register_paged_attention
 from elastic_hf.layers.cpu_gemm import use_onednn_linears
+from elastic_hf.layers.fused_decoder_layer import use_fused_layers
 from elastic_hf.layers.native_norm import use_native_norms
 from elastic_hf.layers.native_rotary import use_native_rotary
 from elastic_hf.layers.packed_linear import packing_available
@@ -148,6 +149,23 @@ class ModelInstance:
 WeightsFactory = Callable[[MemoryBudget, int], WeightLayout]   # (budget, page_size) -> placed weights
 
 
+def use_fused_forward(config: EngineConfig, adapter, layers, device: torch.device) -> int:
+    """Switch Llama-formula decoder layers to the fused forward (layers/fused_decoder_layer.py) where the config
+    allows it (fused_layers auto, on the CPU). Returns how many."""
+    if config.fused_layers != "auto" or device.type != "cpu":
+        return 0
+    return use_fused_layers(layers, adapter.modeling_module, adapter.rotary_function)
+
+
+def use_layer_kernels(config: EngineConfig, adapter, layers, device: torch.device) -> None:
+    """The native norms and the fused forward for decoder layers built after the instance (precision morphing's
+    quantized variants, deep copies of the layers as loaded), so a morphed layer runs the paths its fp one does."""
+    if adapter.rms_norm_class is not None:
+        use_native_norms([layer.get_submodule(name) for layer in layers for name in adapter.layer_norms],
+                         adapter.rms_norm_class)
+    use_fused_forward(config, adapter, layers, device)
+
+
 def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: WeightsFactory, *,
                    headroom_bytes: int = 0) -> ModelInstance:
     """Place the weights, size the worker's budget and make the runner. The KV pool comes later (`new_pool`):
@@ -183,6 +201,9 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     if num_norms or num_mlps or rotary:
         log.info("%d RMSNorms and %d MLPs on native fused kernels; rotary embedding %s", num_norms, num_mlps,
                  "native" if rotary else "eager")
+    num_fused = use_fused_forward(config, adapter, loaded.layers, device)
+    if num_fused:
+        log.info("%d of %d decoder layers on the fused forward", num_fused, len(loaded.layers))
     tp1_bytes = weights.shard_bytes(1, 0)
     if config.memory_budget is None:
         # whole pages: the KV arena commits pages (2 MiB on CUDA), which neighbouring blocks share

@@ -85,6 +85,10 @@ class LayerStore:
     def module(self, layer: int, precision: str) -> nn.Module:
         return self._modules[precision][layer]
 
+    def modules_of(self, precision: str) -> list[nn.Module]:
+        """Every layer's module at `precision`, in layer order."""
+        return list(self._modules[precision])
+
     def image(self, layer: int, precision: str) -> LayerImage:
         image = self._images[precision][layer]
         if image is None:

@@ -22,6 +22,7 @@ from elastic_hf.engine.routing import InstanceLoad, TPPolicy
 from elastic_hf.engine.sampler import request_seeds
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import Scheduler
+from elastic_hf.engine.timeline import Timeline
 from elastic_hf.kv.kv_manager import KVManager
 from elastic_hf.kv.prefix_cache import PrefixCache, hash_function, prompt_lookup_hashes
 from elastic_hf.layers.shard_layout import allowed_tp_degrees
@@ -68,6 +69,7 @@ class Deployment:
         self.topology = self.check_topology(config.topology)
         self.eos_token_ids = eos_token_ids(checkpoint_dir, tokenizer)
         self._seq_ids = itertools.count()   # shared by every instance engine: ids stay unique across moves
+        self.timeline = Timeline(config.timeline) if config.timeline else None   # shared by every instance engine
         self._request_ids = itertools.count()
         self.retired = dict.fromkeys(RETIRED_COUNTERS, 0)   # counters of engines replaced by reshapes
         self.reshapes: list[ReshapeReport] = []
@@ -90,9 +92,8 @@ class Deployment:
             self.max_model_len = self._max_model_len()
             self.input_processor = InputProcessor.for_config(config, tokenizer, hf_config.vocab_size,
                                                              self.max_model_len, self.eos_token_ids)
-            # One set of request metrics across every instance engine (engines come and go with reshapes), whose
-            # gauges always show the whole deployment; the deployment's and the morph metrics live in the same
-            # registry, so one /metrics page shows all.
+            # One set of request metrics across every instance engine (engines come and go with reshapes): gauges show
+            # the whole deployment; the deployment's and morph metrics share its registry (one /metrics page).
             self.metrics = EngineMetrics(model_id, max_model_len=self.max_model_len)
             self.metrics.load_totals = lambda: load_totals(self.instances)
             self.deployment_metrics = DeploymentMetrics(self.metrics.registry)
@@ -141,6 +142,7 @@ class Deployment:
                            model_id=self.model_id, max_model_len=self.max_model_len,
                            eos_token_ids=self.eos_token_ids, input_processor=self.input_processor,
                            metrics=self.metrics, seq_ids=self._seq_ids, request_seeds=self._request_seeds)
+        engine.timeline = self.timeline
         return Instance(workers, engine, shape, runner)
 
     def _build_instances(self, topology: Topology) -> list[Instance]:
@@ -172,9 +174,8 @@ class Deployment:
         """Each TP1 instance's worker morphs; a worker in a larger instance (or in standby) pauses."""
         owner = {inst.workers[0]: inst.engine for inst in self.instances if inst.shape == InstanceShape(1)}
         for w, manager in self.morph_managers.items():
-            engine = owner.get(w)
-            if manager.engine is not engine:
-                manager.bind(engine)
+            if manager.engine is not owner.get(w):
+                manager.bind(owner.get(w))
 
     # ------------------------------------------------------------------ the engine interface
     @property
@@ -321,8 +322,7 @@ class Deployment:
         return deployment_stats(self)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix of every instance (POST /reset_prefix_cache); between steps. Returns how many
-        blocks the caches named."""
+        """Empty every instance's prefix cache (POST /reset_prefix_cache) between steps; returns the blocks named."""
         return sum(inst.engine.scheduler.kv.reset_prefix_cache() for inst in self.instances)
 
     def memory_report(self) -> list[dict]:

@@ -18,7 +18,7 @@ from elastic_hf.engine.sampler import sample_remote
 from elastic_hf.kv.kv_manager import KVResize
 from elastic_hf.layers.shard_layout import ModelShardSpec, allowed_tp_degrees
 from elastic_hf.memory import default_page_size, process_rss_bytes
-from elastic_hf.model.instance import LoadedModel, build_instance, load_model, worker_device
+from elastic_hf.model.instance import LoadedModel, build_instance, load_model, use_layer_kernels, worker_device
 from elastic_hf.model.weight_placement import PlacedWeights
 from elastic_hf.morph.executor import MorphExecutor, prepare_layer_store
 from elastic_hf.model.stage import StageSpec
@@ -83,6 +83,8 @@ class Worker:
         self.instance = build_instance(config, loaded, place, headroom_bytes=headroom)
         self.morph: MorphExecutor | None = None
         if layer_store is not None:
+            for precision in layer_store.precisions[1:]:   # the quantized variants run the fp layers' paths
+                use_layer_kernels(config, loaded.adapter, layer_store.modules_of(precision), self.device)
             self.morph = MorphExecutor(layer_store, loaded.layers, self.instance.weights, self.instance.budget,
                                        headroom, self.device, lambda: self.instance.pool)
         self.reshape = ReshapeParticipant(self) if self.is_sharded else None

@@ -99,10 +99,12 @@ def openai_router(async_engine: AsyncEngine, *, names: tuple[str, ...], tokenize
         return ResponseContext(p.new_id(prefix), req.model, system_fingerprint, formatter,
                                include_usage=req.include_usage, continuous_usage=req.continuous_usage)
 
-    async def submit(prompts: list, params: SamplingParams, prefix: str) -> list[RequestStream]:
+    async def submit(prompts: list, params: SamplingParams, response_id: str) -> list[RequestStream]:
+        """The engine's request ids are the response's id (vLLM's too), `{id}-{i}` for a list of prompts, so the
+        server's logs and timeline (engine/timeline.py) name what the client saw."""
+        ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
         try:
-            return await async_engine.add_requests(prompts, params,
-                                                   [async_engine.new_request_id(prefix) for _ in prompts])
+            return await async_engine.add_requests(prompts, params, ids)
         except (ValueError, EngineError) as exc:
             raise api_error_from_engine(exc) from exc
 
@@ -122,8 +124,8 @@ def openai_router(async_engine: AsyncEngine, *, names: tuple[str, ...], tokenize
         if len(prompts) * params.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={params.n} = {len(prompts) * params.n} choices; "
                                 f"at most {MAX_CHOICES} per request", param="n")
-        streams = await submit(prompts, params, "cmpl")
         ctx = context("cmpl", req)
+        streams = await submit(prompts, params, ctx.id)
         wants_logprobs = params.logprobs is not None
         if req.stream:
             return EngineStreamingResponse(completion_chunks(streams, ctx, params.n, wants_logprobs), streams)
@@ -172,8 +174,8 @@ def openai_router(async_engine: AsyncEngine, *, names: tuple[str, ...], tokenize
         params = request_checked(req.sampling_params, max_tokens, defaults, constraint)
         if params.n > MAX_CHOICES:
             raise APIError(400, f"n={params.n} is beyond the limit of {MAX_CHOICES} choices per request", param="n")
-        streams = await submit([prompt_ids], params, "chatcmpl")
         ctx = context("chatcmpl", req)
+        streams = await submit([prompt_ids], params, ctx.id)
         wants_logprobs = params.logprobs is not None
         if req.stream:
             return EngineStreamingResponse(chat_chunks(streams[0], ctx, params.n, wants_logprobs, plan,

@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="on CUDA, run every step eagerly instead of replaying captured decode graphs "
                              "(default: off)" + _OWN_DEFAULT)
+    parser.add_argument("--fused-layers", default=None, choices=("auto", "off"),
+                        help="auto: Llama/Qwen2/Mistral decoder layers run one flat forward of ours on HF's modules "
+                             "(CPU); off: HF's own forward (default: auto)" + _OWN_DEFAULT)
     parser.add_argument("--packed-weights", default=None, choices=("auto", "on", "off"),
                         help="CPU linears on oneDNN prepacked weights (same memory, bf16 bit-identical, ~1.2x "
                              "throughput on the default model); auto: on for one worker without --morph "
@@ -203,6 +206,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds after its arrival at which a request still running is aborted and its KV "
                              "cache freed: HTTP 504 with code 'request_timeout', or an SSE error event for a stream "
                              "(default: no limit)" + _OWN_DEFAULT)
+    parser.add_argument("--timeline", default=None, metavar="PATH",
+                        help="append a JSON line per engine step and per finished request to PATH (arrival, "
+                             "admission, first token, finish; each step's prefill/decode mix and duration): where "
+                             "latency goes under load, read by benchmarks/serving_timeline.py (default: off)"
+                             + _OWN_DEFAULT)
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level of server and engine")
 
 
@@ -240,7 +248,7 @@ def engine_config(args: argparse.Namespace):
                                                        "generation_config", "max_stop_token_ids",
                                                        "max_request_output_cost", "step_timeout_s",
                                                        "distributed_executor_backend", "ray_address",
-                                                       "ray_placement")
+                                                       "ray_placement", "timeline", "fused_layers")
                if getattr(args, name) is not None}
     return EngineConfig(model=args.model, num_workers=args.workers, topology=topology,
                         tp_policy=args.tp_policy, morph=MorphConfig(mode=args.morph, profile=args.profile), **options)
