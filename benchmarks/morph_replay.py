@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     if args.kv_blocks is not None:
         regimes = [("", args.kv_blocks * block_bytes, f"fp KV cache {args.kv_blocks} blocks")]
     else:
-        probe = load_model("fp", 1 << 20, 256, args.device)
+        probe = load_model("fp", 32 * block_bytes, 256, args.device)   # room for max_model_len=256 in any dtype
         weights = measured_weights_bytes(probe)
         probe.close()
         regimes = [(f"_{share_label(share)}", kv_bytes_for_share(weights, share),

@@ -2,8 +2,9 @@
 --timeline`, join the server's per-request and per-step records (elastic_hf/engine/timeline.py) with the client's
 view, and split every request's TTFT into
 
-    front end in   client send -> engine arrival (HTTP, validation, tokenization on the input thread)
-    queue          engine arrival -> first admission (waiting for the budget, a sequence slot or KV blocks)
+    front end in   client send -> engine arrival stamp (HTTP and request parsing, up to AsyncEngine.add_requests)
+    queue          engine arrival -> first admission (tokenization on the input thread, the hop to the engine
+                   thread, then waiting for the step budget, a sequence slot or KV blocks)
     prefill        admission -> first token (its chunks, and the steps of other requests between them)
     front end out  engine first token -> client sees it (detokenization, SSE, the event loop)
 
@@ -17,6 +18,7 @@ Prints a table and `RESULT timeline_<phase>_<p50|tail>_s` lines, plus the step m
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import tempfile
@@ -121,7 +123,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         timeline = Path(args.keep) if args.keep else Path(tmp) / "timeline.jsonl"
         timeline.unlink(missing_ok=True)
-        server = ServerProcess([checkpoint, "--timeline", str(timeline), *args.serve_args.split()])
+        server = ServerProcess([checkpoint, "--timeline", str(timeline), *shlex.split(args.serve_args)])
         try:
             report = run_replay(server.base_url, requests, progress=False)
         finally:
@@ -132,6 +134,9 @@ def main() -> int:
     joined = request_phases(report, server_requests)
     if len(joined) < len(report.ok):
         print(f"warning: {len(report.ok) - len(joined)} requests missing from the server's timeline")
+    if not joined:
+        print("no request of the replay is in the server's timeline: nothing to split")
+        return 1
     split = print_table(joined)
     mix = step_mix(steps)
     print("steps: " + ", ".join(f"{k} {v:.3g}" for k, v in mix.items()))

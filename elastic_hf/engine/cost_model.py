@@ -168,16 +168,24 @@ def fit(samples: list[Sample], num_layers: int, *, source: str = "", min_tokens:
     one would prefer longer prefixes or larger batches (and gamma < lam would make one more chunk shrink a
     micro-batch's cost), so the most negative is fixed at 0 and the rest refitted until none is (an active-set
     non-negative least squares)."""
+    return fit_features([eq3_features(chunks) for chunks, _ in samples], [t for _, t in samples], num_layers,
+                        source=source, min_tokens=min_tokens, unit="micro-batches")
+
+
+def fit_features(rows: list[list[float]], seconds: list[float], num_layers: int, *, source: str = "",
+                 min_tokens: int | None = None, unit: str = "samples") -> CostModel:
+    """`fit` on precomputed regressor rows (eq3_features of a micro-batch, or sums of them scaled by a stage's
+    share of the layers: engine/cost_fit.py) and their measured seconds."""
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     num_coefficients = 5
-    if len(samples) < 2 * num_coefficients:
+    if len(rows) < 2 * num_coefficients:
         raise ValueError(f"fitting {num_coefficients} coefficients needs at least {2 * num_coefficients} measured "
-                         f"micro-batches, got {len(samples)}")
-    times = np.array([t for _, t in samples], dtype=np.float64)
+                         f"{unit}, got {len(rows)}")
+    times = np.array(seconds, dtype=np.float64)
     if not np.all(np.isfinite(times)) or np.any(times <= 0):
         raise ValueError(f"measured times must be finite and > 0; got min {times.min()} max {times.max()}")
-    features = np.array([eq3_features(chunks) for chunks, _ in samples], dtype=np.float64)
+    features = np.array(rows, dtype=np.float64)
     coefficients = _nonnegative_lstsq(features / times[:, None], np.ones_like(times),
                                       ["attention work", "tokens", "chunks", "intercept", "sampled rows"])
     alpha, beta, gamma_minus_lam, lam, head = (float(v) for v in coefficients)

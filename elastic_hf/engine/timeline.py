@@ -14,11 +14,14 @@ Records (one JSON object per line, times in seconds since the epoch, `time.time(
    first admission; `chunks` counts the steps that computed prompt tokens of it).
 
 A pipelined instance that keeps several batches in flight (engine/batch_queue.py) records its requests but not its
-steps, which overlap. Written by the engine threads, line-buffered, so a reader may follow it while the server
+steps, which overlap. The step records of a deployment with several instances interleave (they carry each
+engine's own queue and KV numbers, not the deployment's). A write that fails (a full disk) stops the records,
+never the requests. Written by the engine threads, line-buffered, so a reader may follow it while the server
 runs."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import weakref
@@ -26,6 +29,8 @@ from pathlib import Path
 
 from elastic_hf.engine.sequence import Request
 from elastic_hf.engine.step_plan import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 class Timeline:
@@ -36,6 +41,7 @@ class Timeline:
         weakref.finalize(self, self._file.close)   # closed with its deployment (lines are flushed as written)
         self._lock = threading.Lock()   # a deployment's instance engines may share one timeline
         self._chunks: dict[str, int] = {}   # request id -> steps that computed prompt tokens of it so far
+        self._failed = False
 
     def step_mix(self, scheduled: SchedulerOutput) -> tuple[int, int, int]:
         """(prefill tokens, prefill sequences, decodes) of a step, taken before it runs. A chunk is prefill unless
@@ -75,9 +81,16 @@ class Timeline:
                      "chunks": self._chunks.pop(request.request_id, 0)})
 
     def _write(self, record: dict) -> None:
+        """A line, or nothing once writing failed (a full disk must not fail the requests it records)."""
+        if self._failed:
+            return
         line = json.dumps(record, separators=(",", ":")) + "\n"
         with self._lock:
-            self._file.write(line)
+            try:
+                self._file.write(line)
+            except (OSError, ValueError) as exc:   # ValueError: the file was closed
+                self._failed = True
+                log.error("timeline %s: writing failed (%s); no more records are written", self.path, exc)
 
     def close(self) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ layer when EngineConfig.fused_layers is "off" (`elastic-hf serve --fused-layers 
 from __future__ import annotations
 
 import importlib
+import sys
 
 import torch
 from torch import nn
@@ -34,17 +35,18 @@ class FusedDecoderLayer(nn.Module):
     the modeling module at every call, as HF's attention does (native where layers/native_rotary.py wrapped it)."""
 
     eager_class: type
-    modeling_module: object   # the architecture's modeling module
+    modeling_module: str      # the architecture's modeling module (a name: a layer stays deep-copyable)
     rotary_name: str          # its apply_rotary_pos_emb
     # read by HF's forward (GradientCheckpointingLayer's wrapper) when it runs as the fallback: never training here
     gradient_checkpointing = False
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
-                use_cache=False, position_embeddings=None, paged_batch=None, **kwargs) -> torch.Tensor:
-        if paged_batch is None or position_embeddings is None:   # not an engine step: HF's forward
-            return self.eager_class.forward(self, hidden_states, attention_mask=attention_mask,
-                                            position_ids=position_ids, cache=cache, use_cache=use_cache,
-                                            position_embeddings=position_embeddings, **kwargs)
+    def forward(self, hidden_states: torch.Tensor, *args, position_embeddings=None, paged_batch=None,
+                **kwargs) -> torch.Tensor:
+        if paged_batch is None or position_embeddings is None or args:   # not an engine step: HF's forward
+            if paged_batch is not None:
+                kwargs["paged_batch"] = paged_batch
+            return self.eager_class.forward(self, hidden_states, *args, position_embeddings=position_embeddings,
+                                            **kwargs)
         attn = self.self_attn
         tokens = hidden_states.shape[1]                        # hidden_states: [1, T, hidden]
         h = self.input_layernorm(hidden_states)
@@ -54,7 +56,7 @@ class FusedDecoderLayer(nn.Module):
         k = k.view(1, tokens, -1, head_dim).transpose(1, 2)   # [1, kv_heads, T, hd]
         v = v.view(1, tokens, -1, head_dim).transpose(1, 2)
         cos, sin = position_embeddings
-        q, k = getattr(self.modeling_module, self.rotary_name)(q, k, cos, sin)
+        q, k = getattr(sys.modules[self.modeling_module], self.rotary_name)(q, k, cos, sin)
         out = paged_batch.backend.forward(attn, q, k, v, attn.scaling, paged_batch)   # [1, T, heads, hd]
         hidden_states = hidden_states + attn.o_proj(out.view(1, tokens, -1))
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -73,8 +75,11 @@ def _qkv(attn: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def fusable_layer(layer: nn.Module) -> bool:
+    """HF's own class of a Llama-formula family (not a remote-code class of the same name), with the modules the
+    fused forward calls."""
     attn = getattr(layer, "self_attn", None)
     return (type(layer).__name__ in LLAMA_LAYER_CLASSES and type(attn).__name__ in LLAMA_ATTENTION_CLASSES
+            and all(type(m).__module__.startswith("transformers.models.") for m in (layer, attn))
             and all(hasattr(layer, name) for name in ("input_layernorm", "post_attention_layernorm", "mlp"))
             and all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")))
 
@@ -83,16 +88,16 @@ def use_fused_layers(layers: nn.ModuleList, modeling_module: str, rotary_functio
     """Switch every layer of a Llama-formula family in place (same module, same children). Returns how many."""
     if rotary_function is None:
         return 0
-    module = importlib.import_module(modeling_module)
+    importlib.import_module(modeling_module)   # in sys.modules from here on
     switched = 0
     for layer in layers:
         if isinstance(layer, FusedDecoderLayer):
             switched += 1
             continue
-        if not fusable_layer(layer):
+        if not fusable_layer(layer) or type(layer).__module__ != modeling_module:
             continue
         layer.eager_class = type(layer)
-        layer.modeling_module, layer.rotary_name = module, rotary_function
+        layer.modeling_module, layer.rotary_name = modeling_module, rotary_function
         layer.__class__ = FusedDecoderLayer
         switched += 1
     return switched

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elastic_hf.engine.cost_fit import OnlineCostFit
 from elastic_hf.engine.cost_model import Chunk, CostModel
 from elastic_hf.engine.llm_engine import LLMEngine
 from elastic_hf.engine.lookahead import WorkItem, cost_chosen_split
@@ -29,6 +30,8 @@ class InstanceRunner:
         # |predicted - measured| / measured busy seconds of the last stage on the last lookahead step (the
         # elastic_hf_cost_model_error gauge); None until a lookahead step ran
         self.last_cost_error: float | None = None
+        # no cost model yet (a model without a profile): every pipelined step's stage times feed this fit
+        self.cost_fit: OnlineCostFit | None = None
 
     def execute(self, inputs):
         return self._run(inputs, None)   # [num_sampling_seqs, vocab]
@@ -77,12 +80,23 @@ class InstanceRunner:
         if self.on_pipeline_step is not None:
             self.on_pipeline_step([stats for _, stats in results], self.workers)
         logits, last_stats = results[(self.shape.pp - 1) * self.shape.tp]   # last stage, rank 0
+        if self.cost_fit is not None:
+            self._add_cost_samples(micro_batches, results)
         if model is not None and last_stats["busy_s"] > 0:
             fraction = last_stage_fraction(self.shape, model)
             predicted = sum(model.batch_cost([Chunk(s.num_computed, len(s.token_ids), s.needs_logits) for s in mb],
                                              fraction) for mb in micro_batches)
             self.last_cost_error = abs(predicted - last_stats["busy_s"]) / last_stats["busy_s"]
         return logits  # [num_sampling_seqs, vocab], or a SampledStep when `sampling` was given
+
+
+    def _add_cost_samples(self, micro_batches: list[list], results: list[tuple]) -> None:
+        """Each stage's busy seconds of this step (rank 0 of each stage), with what its micro-batches held."""
+        fit, shape = self.cost_fit, self.shape
+        chunks = [[Chunk(s.num_computed, len(s.token_ids), s.needs_logits) for s in mb] for mb in micro_batches]
+        for stage in range(shape.pp):
+            stats = results[stage * shape.tp][1]
+            fit.add(chunks, stage_fraction(shape, fit.num_layers, stage), stage == shape.pp - 1, stats["busy_s"])
 
 
 def split_micro_batches(inputs: list, num_stages: int) -> list[list]:
@@ -121,9 +135,14 @@ def lookahead_micro_batches(inputs: list[SeqStepInput], shape: InstanceShape, mo
 
 def last_stage_fraction(shape: InstanceShape, model: CostModel) -> float:
     """The share of the decoder layers the last stage holds (it also pays the LM head rows)."""
+    return stage_fraction(shape, model.num_layers, shape.pp - 1)
+
+
+def stage_fraction(shape: InstanceShape, num_layers: int, stage: int) -> float:
+    """The share of `num_layers` decoder layers that pipeline stage `stage` holds."""
     try:
-        first, end = shape.stage_bounds(model.num_layers)[-1]
-        return (end - first) / model.num_layers
+        first, end = shape.stage_bounds(num_layers)[stage]
+        return (end - first) / num_layers
     except ValueError:   # a layer split of another model than the profiled one: weigh the stages alike
         return 1.0 / shape.pp
 

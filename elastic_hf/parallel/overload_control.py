@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
+from elastic_hf.engine.cost_fit import OnlineCostFit
 from elastic_hf.engine.drop_plan import DropRefusal, plan_drop, stage_split
 from elastic_hf.engine.overload import OverloadArbiter, OverloadDecision, OverloadSnapshot
 from elastic_hf.parallel.kv_exchange import KVExchange
@@ -44,6 +45,9 @@ class OverloadControl:
         dtype = None if config.dtype == "auto" else str(parse_dtype(config.dtype)).removeprefix("torch.")
         self.cost_model = (CostModel.load(config.cost_profile) if config.cost_profile is not None
                            else shipped_cost_model(deployment.model_id, dtype) if dtype else None)
+        # none: fitted from the stage times of the first pipelines that serve (engine/cost_fit.py)
+        self.cost_fit = OnlineCostFit(deployment.num_layers, f"{deployment.model_id}, fitted while serving") \
+            if self.cost_model is None and self.policy.lookahead else None
         info = deployment.pool.call(0, "info")
         self.layer_bytes = info["weights_tp1_bytes"] - info["replicated_weights_bytes"]   # all decoder layers
         self.head_bytes = info["lm_head_bytes"]
@@ -61,6 +65,8 @@ class OverloadControl:
                 self.history.append({"event": "exchange_done", **_exchange_dict(self.exchange)})
                 self.exchange = None
         self.metrics.exchanging.set(sum(len(i.engine.scheduler.exchanging) for i in self.dep.instances))
+        if self.cost_fit is not None:
+            self._adopt_fitted_cost_model()
         errors = [i.runner.last_cost_error for i in self.dep.instances
                   if i.runner.lookahead is not None and i.runner.last_cost_error is not None]
         if errors:
@@ -77,6 +83,16 @@ class OverloadControl:
         model = self.cost_model if self.policy.lookahead else None
         for inst in self.dep.instances:
             inst.runner.lookahead = model if inst.shape.pp > 1 else None
+            inst.runner.cost_fit = self.cost_fit if inst.shape.pp > 1 and model is None else None
+
+    def _adopt_fitted_cost_model(self) -> None:
+        """Once the stage times determine a cost model, the pipelines cut their steps by it from now on."""
+        model = self.cost_fit.model()
+        if model is None:
+            return
+        log.info("cost model fitted from %d pipeline stage reports: %s", self.cost_fit.num_samples, model)
+        self.cost_model, self.cost_fit = model, None
+        self.apply_lookahead()
 
     def wants_steps(self) -> bool:
         """Keep an idle driver stepping while an exchange is in flight or a drop / merge waits for its restore

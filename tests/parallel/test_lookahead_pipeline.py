@@ -67,3 +67,36 @@ def test_lookahead_pipeline_matches_hf_greedy_and_really_splits(pp_checkpoint, m
         split_steps += len(pieces) > len(inputs)
     assert split_steps >= 1, "no step cut a sequence across micro-batches: the test did not exercise the split"
     assert rowless >= 1   # the last stage returned [0, vocab] for it and the rows still line up
+
+
+def test_a_pipeline_without_a_profile_fits_its_cost_model_while_serving(pp_checkpoint):
+    """No --cost-profile and none shipped: a 1x2 pipeline starts on token-count micro-batches, both stages report
+    every step's busy time into the deployment's online fit, and once the reports determine a cost model the
+    pipeline cuts its steps by it (here the reports are topped up with exact ones, so that happens on the next
+    step whatever this machine's timing noise); greedy tokens stay HF's throughout."""
+    import random
+
+    from elastic_hf.engine.cost_model import Chunk
+
+    reference, tokenizer = load_hf_model(pp_checkpoint)
+    prompts = mixed_prompts(tokenizer, 4, 3, 100, seed=33)
+    with ElasticModel.from_pretrained(pp_checkpoint, workers=2, topology="1x2", kv_cache_memory=4 << 20,
+                                      max_num_batched_tokens=48) as model:
+        overload = model.deployment.overload
+        runner = model.deployment.instances[0].runner
+        fit = overload.cost_fit
+        assert overload.cost_model is None and fit is not None and runner.cost_fit is fit and runner.lookahead is None
+        first = model.generate(prompts[:2], max_tokens=MAX_NEW)
+        if overload.cost_model is None:
+            assert fit.num_samples >= 2 and fit.num_samples % 2 == 0   # both stages, every pipelined step
+            rng = random.Random(0)
+            for _ in range(64):   # exact reports of COST's shape: the next attempt determines the model
+                mbs = [[Chunk(rng.randint(0, 500), rng.choice((1, rng.randint(2, 64))), rng.random() < 0.7)
+                        for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 2))]
+                fit.add(mbs, 0.4, False, sum(COST.batch_cost(mb, 0.4, last_stage=False) for mb in mbs))
+                fit.add(mbs, 0.6, True, sum(COST.batch_cost(mb, 0.6) for mb in mbs))
+        rest = model.generate(prompts[2:], max_tokens=MAX_NEW)
+        assert overload.cost_model is not None and overload.cost_fit is None
+        assert runner.lookahead is overload.cost_model and runner.cost_fit is None
+        assert runner.last_cost_error is not None   # a lookahead step ran and was compared with its stage time
+    assert [o.outputs[0].token_ids for o in first + rest] == [hf_greedy(reference, p, MAX_NEW) for p in prompts]

@@ -62,3 +62,16 @@ def test_timeline_names_client_ids_and_accounts_for_every_token(timeline_server)
     assert sum(s["decode_seqs"] for s in steps) == sum(o - 1 for _, o in seen.values())
     assert all(s["prefill_tokens"] <= 32 and s["start"] <= s["end"] for s in steps)
     assert all(a["end"] <= b["start"] for a, b in zip(steps, steps[1:]))
+
+
+def test_a_timeline_that_cannot_write_stops_recording_not_serving(tmp_path, caplog):
+    from elastic_hf.engine.timeline import Timeline
+
+    timeline = Timeline(tmp_path / "t.jsonl")
+    timeline.on_step(1.0, 2.0, (4, 1, 0), admitted=1, waiting=0, running=1, kv_used=1, kv_total=8, preemptions=0)
+    timeline.close()   # as a full disk would: every further write fails
+    timeline.on_step(2.0, 3.0, (0, 0, 1), admitted=0, waiting=0, running=1, kv_used=1, kv_total=8, preemptions=0)
+    timeline.on_step(3.0, 4.0, (0, 0, 1), admitted=0, waiting=0, running=1, kv_used=1, kv_total=8, preemptions=0)
+    steps, requests = read_timeline(tmp_path / "t.jsonl")
+    assert len(steps) == 1 and not requests
+    assert sum("writing failed" in r.message for r in caplog.records) == 1   # said once, then quiet
