@@ -33,14 +33,9 @@ class OnlineCostFit:
         if seconds <= 0 or not micro_batches:
             return
         row = [0.0] * 5
-        for chunks in micro_batches:
-            if not chunks:
-                continue
-            attention, tokens, count, intercept, sampled = eq3_features(chunks)
-            row[0] += layer_fraction * attention
-            row[1] += layer_fraction * tokens
-            row[2] += layer_fraction * count
-            row[3] += layer_fraction * intercept
+        for chunks in filter(None, micro_batches):
+            *decoder, sampled = eq3_features(chunks)   # the decoder terms scale with the layers, the head's do not
+            row[:4] = [total + layer_fraction * value for total, value in zip(row, decoder)]
             row[4] += sampled if last_stage else 0.0
         self.rows.append(row)
         self.times.append(seconds)

@@ -137,11 +137,10 @@ class LLMEngine:
         if not scheduler_output:
             self._update_gauges()
             return []
-        if self.timeline is None:
-            return self._complete(scheduler_output, self._submit(scheduler_output)())
-        mix = self.timeline.step_mix(scheduler_output)
+        mix = self.timeline.step_mix(scheduler_output) if self.timeline is not None else None
         outputs = self._complete(scheduler_output, self._submit(scheduler_output)())
-        self._record_step(start, scheduler_output, mix)
+        if mix is not None:
+            self._record_step(start, scheduler_output, mix)
         return outputs
 
     def _record_step(self, start: float, scheduler_output: SchedulerOutput, mix: tuple[int, int, int]) -> None:

@@ -161,8 +161,7 @@ def use_layer_kernels(config: EngineConfig, adapter, layers, device: torch.devic
     """The native norms and the fused forward for decoder layers built after the instance (precision morphing's
     quantized variants, deep copies of the layers as loaded), so a morphed layer runs the paths its fp one does."""
     if adapter.rms_norm_class is not None:
-        use_native_norms([layer.get_submodule(name) for layer in layers for name in adapter.layer_norms],
-                         adapter.rms_norm_class)
+        use_native_norms(adapter.layer_norm_modules(layers), adapter.rms_norm_class)
     use_fused_forward(config, adapter, layers, device)
 
 

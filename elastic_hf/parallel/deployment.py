@@ -174,8 +174,8 @@ class Deployment:
         """Each TP1 instance's worker morphs; a worker in a larger instance (or in standby) pauses."""
         owner = {inst.workers[0]: inst.engine for inst in self.instances if inst.shape == InstanceShape(1)}
         for w, manager in self.morph_managers.items():
-            if manager.engine is not owner.get(w):
-                manager.bind(owner.get(w))
+            if manager.engine is not (engine := owner.get(w)):
+                manager.bind(engine)
 
     # ------------------------------------------------------------------ the engine interface
     @property

@@ -84,19 +84,22 @@ class InstanceRunner:
             self._add_cost_samples(micro_batches, results)
         if model is not None and last_stats["busy_s"] > 0:
             fraction = last_stage_fraction(self.shape, model)
-            predicted = sum(model.batch_cost([Chunk(s.num_computed, len(s.token_ids), s.needs_logits) for s in mb],
-                                             fraction) for mb in micro_batches)
+            predicted = sum(model.batch_cost(chunks, fraction) for chunks in micro_batch_chunks(micro_batches))
             self.last_cost_error = abs(predicted - last_stats["busy_s"]) / last_stats["busy_s"]
         return logits  # [num_sampling_seqs, vocab], or a SampledStep when `sampling` was given
-
 
     def _add_cost_samples(self, micro_batches: list[list], results: list[tuple]) -> None:
         """Each stage's busy seconds of this step (rank 0 of each stage), with what its micro-batches held."""
         fit, shape = self.cost_fit, self.shape
-        chunks = [[Chunk(s.num_computed, len(s.token_ids), s.needs_logits) for s in mb] for mb in micro_batches]
+        chunks = micro_batch_chunks(micro_batches)
         for stage in range(shape.pp):
             stats = results[stage * shape.tp][1]
             fit.add(chunks, stage_fraction(shape, fit.num_layers, stage), stage == shape.pp - 1, stats["busy_s"])
+
+
+def micro_batch_chunks(micro_batches: list[list[SeqStepInput]]) -> list[list[Chunk]]:
+    """What the cost model sees of each micro-batch: every input's prefix, new tokens and whether it samples."""
+    return [[Chunk(s.num_computed, len(s.token_ids), s.needs_logits) for s in mb] for mb in micro_batches]
 
 
 def split_micro_batches(inputs: list, num_stages: int) -> list[list]:

@@ -97,12 +97,16 @@ class ArchAdapter:
     def norms(self, model: nn.Module, layers: nn.ModuleList) -> list[nn.Module]:
         """Every RMSNorm around the blocks the forward runs: each layer's and the final one (a pipeline stage's
         model may lack the final one)."""
-        norms = [layer.get_submodule(name) for layer in layers for name in self.layer_norms]
+        norms = self.layer_norm_modules(layers)
         try:
             norms.append(model.get_submodule(self.final_norm))
         except AttributeError:
             pass
         return norms
+
+    def layer_norm_modules(self, layers) -> list[nn.Module]:
+        """Every norm of the given decoder layers, layer by layer."""
+        return [layer.get_submodule(name) for layer in layers for name in self.layer_norms]
 
     def mlps(self, layers: nn.ModuleList) -> list[nn.Module]:
         return [getattr(layer, self.mlp) for layer in layers if hasattr(layer, self.mlp)]
