@@ -91,8 +91,9 @@ class OverloadConfig:
     (running + queued requests' blocks) / the attached capacity above `trigger` for `hold_steps` steps; a dropped
     or merged layout is restored below `restore_below` of the undropped capacity held for `restore_hold_steps`;
     nothing new starts for `cooldown_steps` after a restore. `exchange` and `lookahead` exist for ablations: a
-    drop's KV moves "coordinated" (in chunks between steps, queued requests run meanwhile) or "blocking" (all of it
-    inside the transaction); lookahead micro-batches need a cost profile (EngineConfig.cost_profile)."""
+    drop's KV moves "coordinated" (on a thread of each worker beside the steps, queued requests run meanwhile; while
+    a step runs the thread takes at most `exchange_cpu_share` of a core) or "blocking" (all of it inside the
+    transaction); lookahead micro-batches need a cost profile (EngineConfig.cost_profile)."""
     mode: str = "off"
     trigger: float = 1.0
     hold_steps: int = 3
@@ -100,6 +101,7 @@ class OverloadConfig:
     restore_hold_steps: int = 32
     cooldown_steps: int = 64
     exchange: str = "coordinated"
+    exchange_cpu_share: float = 0.25   # on a 2-core CPU: steps ~1.2x during the exchange (kv_exchange.py)
     lookahead: bool = True
 
     def __post_init__(self):
@@ -113,6 +115,8 @@ class OverloadConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.exchange not in ("coordinated", "blocking"):
             raise ValueError(f"exchange must be 'coordinated' or 'blocking', got {self.exchange!r}")
+        if not 0 < self.exchange_cpu_share <= 1:
+            raise ValueError(f"exchange_cpu_share must be in (0, 1], got {self.exchange_cpu_share}")
 
 
 PREFIX_CACHING_HASH_ALGOS = ("sha256", "builtin")   # kv/prefix_cache.py

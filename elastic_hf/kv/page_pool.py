@@ -8,7 +8,7 @@ import torch
 
 from elastic_hf.kv.kv_manager import KVResize
 from elastic_hf.kv.layout import KVLayout
-from elastic_hf.memory.arena import PageArena
+from elastic_hf.memory.arena import PageArena, page_runs
 
 
 class KVPagePool:
@@ -66,18 +66,30 @@ class KVPagePool:
         page = self.arena.page_size
         self.arena.commit(first * page, (end - first) * page)   # pages a neighbour committed cost nothing
 
-    def _pages_only_of(self, block_ids, keep) -> list[int]:
-        """Pages that blocks `block_ids` touch and no block for which keep(block) is true touches."""
+    def _page_runs_only_of(self, block_ids, keep) -> list[tuple[int, int]]:
+        """Runs [start, end) of the pages that blocks `block_ids` touch and no block for which keep(block) is true
+        touches. A block of at least a page shares only the first and last page of its span, so only those are
+        checked against their neighbours: a trim of a mostly free 1 GiB pool is a few thousand checks and a few
+        decommit calls, not one per 4 KiB page (which took 1.4 s)."""
         layout, bb, page = self.layout, self.layout.block_bytes, self.arena.page_size
-        pages = sorted({p for b in block_ids for p in range(*layout.page_span(b))})
-        return [p for p in pages
-                if not any(keep(b) for b in range(p * page // bb, min(((p + 1) * page - 1) // bb + 1,
-                                                                        self.max_blocks)))]
+        ids = sorted(set(block_ids))
+        if not ids:
+            return []
+        marked = bytearray(layout.page_span(self.max_blocks - 1)[1])   # 1: a page to decommit
+        shared: set[int] = set()
+        for b in ids:
+            first, end = layout.page_span(b)
+            marked[first:end] = b"\x01" * (end - first)
+            shared.update((first, end - 1) if bb >= page else range(first, end))
+        for p in shared:
+            if any(keep(b) for b in range(p * page // bb, min(((p + 1) * page - 1) // bb + 1, self.max_blocks))):
+                marked[p] = 0
+        return page_runs(marked, 0, len(marked))
 
-    def _decommit_pages(self, pages: list[int]) -> None:
+    def _decommit_runs(self, runs: list[tuple[int, int]]) -> None:
         page = self.arena.page_size
-        for p in pages:
-            self.arena.decommit(p * page, page)
+        for start, end in runs:
+            self.arena.decommit(start * page, (end - start) * page)
 
     def attach_blocks(self, num_blocks: int) -> list[int]:
         """Commit `num_blocks` unattached slots (lowest ids first); returns their ids for the control plane's
@@ -134,13 +146,13 @@ class KVPagePool:
             raise ValueError(f"blocks {unknown[:8]} are not attached ({len(self._attached)} attached)")
         self._attached.difference_update(block_ids)
         self._prefix = None
-        self._decommit_pages(self._pages_only_of(block_ids, self._attached.__contains__))
+        self._decommit_runs(self._page_runs_only_of(block_ids, self._attached.__contains__))
 
     def trim_to(self, live: set[int]) -> list[int]:
         """Decommit the pages of every attached block not in `live` that no live block shares, leaving them
         attached (a reshape's rollback recommits them with recommit); returns the trimmed block ids."""
         trimmed = [b for b in sorted(self._attached) if b not in live]
-        self._decommit_pages(self._pages_only_of(trimmed, live.__contains__))
+        self._decommit_runs(self._page_runs_only_of(trimmed, live.__contains__))
         return trimmed
 
     def recommit(self, block_ids: list[int]) -> None:

@@ -96,7 +96,7 @@ class PageArena(ABC):
         with self._lock:
             self._check_open()
             first, end = self._page_span(offset, nbytes, "decommit")
-            runs = _committed_runs(self._committed, first, end)
+            runs = page_runs(self._committed, first, end)
             num_pages = sum(e - s for s, e in runs)
             for s, e in runs:
                 self._decommit_pages(s, e)
@@ -211,5 +211,6 @@ def _uncommitted_runs(bitmap: bytearray, first: int, end: int) -> list[tuple[int
     return _runs(bitmap, first, end, 0)
 
 
-def _committed_runs(bitmap: bytearray, first: int, end: int) -> list[tuple[int, int]]:
+def page_runs(bitmap: bytearray, first: int, end: int) -> list[tuple[int, int]]:
+    """Maximal [start, end) runs of nonzero (1) bytes of a page bitmap within [first, end)."""
     return _runs(bitmap, first, end, 1)

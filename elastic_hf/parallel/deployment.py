@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 
 from elastic_hf.config import EngineConfig
 from elastic_hf.engine.errors import InvalidRequest
@@ -263,7 +262,6 @@ class Deployment:
         """One step of every instance with work (requests, or a morph in progress), the instances concurrently."""
         busy = [i for i in self.instances if i.engine.has_unfinished_requests()]
         outputs, errors, self.drained_outputs = self.drained_outputs, [], []
-        started, self.deployment_metrics.last_stage_busy_s = time.perf_counter(), None
         if len(busy) == 1 or self.pool.step_threads is None:
             steps = [inst.engine.step for inst in busy]
         else:
@@ -279,11 +277,8 @@ class Deployment:
                 raise errors[0]
             self.recover()
         self._maybe_scale_down()
-        # A KV exchange chunk takes about one pipeline stage's time (that of the step's slowest stage, else the
-        # step's; None when nothing ran, so the exchange may take larger chunks).
-        ran = time.perf_counter() - started if busy and self.has_runnable_work() else None
         try:
-            self.overload.on_step(self.deployment_metrics.last_stage_busy_s or ran)
+            self.overload.on_step()
         except WorkerError:   # a group member died mid-exchange: its requests are recomputed
             if not self.pool.check_health():
                 raise

@@ -7,7 +7,9 @@ from elastic_hf.topology import Topology, group_rank_sets
 
 class ProcessGroups:
     """All TP groups (instances, or stages of pipelined instances) of the candidate topologies of one worker;
-    `for_topology` is the snapshot lookup. Pipeline stages talk point-to-point on global ranks: no group needed."""
+    `for_topology` is the snapshot lookup. Pipeline stages talk point-to-point on global ranks: no group needed.
+    `exchange`: a second group over the whole world for the KV exchange, which runs on a thread of its own beside
+    the steps (parallel/worker_exchange.py): its transfers never queue on the communicator the activations use."""
 
     def __init__(self, topologies: list[Topology], backend: str):
         import torch.distributed as dist
@@ -17,6 +19,7 @@ class ProcessGroups:
         # new_group is collective over the whole world: every worker creates every group, in the same order.
         for ranks in group_rank_sets(self.topologies):
             self.groups[ranks] = dist.new_group(list(ranks), backend=backend)
+        self.exchange = dist.new_group(list(range(dist.get_world_size())), backend=backend)
 
     def group(self, workers: tuple[int, ...]):
         if len(workers) == 1:

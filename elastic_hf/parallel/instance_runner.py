@@ -32,6 +32,8 @@ class InstanceRunner:
         self.last_cost_error: float | None = None
         # no cost model yet (a model without a profile): every pipelined step's stage times feed this fit
         self.cost_fit: OnlineCostFit | None = None
+        # (stage stats of every worker) -> None: a KV exchange's progress rides on them (OverloadControl)
+        self.on_stage_reports = None
 
     def execute(self, inputs):
         return self._run(inputs, None)   # [num_sampling_seqs, vocab]
@@ -79,6 +81,8 @@ class InstanceRunner:
         model = self.lookahead
         if self.on_pipeline_step is not None:
             self.on_pipeline_step([stats for _, stats in results], self.workers)
+        if self.on_stage_reports is not None:
+            self.on_stage_reports([stats for _, stats in results])
         logits, last_stats = results[(self.shape.pp - 1) * self.shape.tp]   # last stage, rank 0
         if self.cost_fit is not None:
             self._add_cost_samples(micro_batches, results)

@@ -1,96 +1,108 @@
 """The control plane's side of a coordinated KV exchange (KunServe §4.2), started by a parameter drop's commit.
 
 The requests whose KV must move wait in the `exchanging` state (they hold their new blocks, the scheduler skips
-them) while the queued requests already run on the new pipeline with the blocks the budget allows now. Between two
-steps the exchange moves one chunk of layers, sized so that a chunk takes about one pipeline stage's execution time
-(the paper's rule; on CPU this caps the exchange's CPU time per step), so activation transfers never wait behind a
-long KV transfer. When the last chunk lands, the old pools are closed, their pages become KV blocks and the parked
-requests resume with nothing recomputed."""
+them) while the queued requests already run on the new pipeline with the blocks the budget allows now. The KV moves
+on a thread of each worker beside the steps, held to `cpu_share` of a core while a step runs
+(parallel/worker_exchange.py). How far each worker is comes back with its pipeline steps' stage stats, so the control
+plane never asks a worker that is busy with a batch still in flight (an RPC would wait for it and drain the
+pipeline); it asks by RPC only when nothing is stepping, or when a worker has not reported for
+`STALE_REPORT_BOUNDARIES` step boundaries. When every worker is done, the old pools are closed, their pages become
+KV blocks and the parked requests resume with nothing recomputed."""
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-MIN_CHUNK_TARGET_S = 0.005   # a chunk is never sized below this (per-call overhead would dominate)
-IDLE_CHUNK_TARGET_S = 0.25   # with nothing else to run, larger chunks: no step waits on them
+STALE_REPORT_BOUNDARIES = 16
 
 
 @dataclass(slots=True)
 class ExchangeStats:
     started: float
     num_parked_seqs: int
-    chunks: int = 0
+    layers: int = 0                # layers moved by the slowest worker so far
     sent_bytes: int = 0
-    seconds: float = 0.0                       # summed over the chunks (the time steps were held back)
-    chunk_layers: list[int] = field(default_factory=list)
-    wall_seconds: float = 0.0                  # commit to the last chunk
+    seconds: float = 0.0           # transfer work of the busiest worker (beside the steps, not in them)
+    paced_seconds: float = 0.0     # time that worker held back for the steps (the CPU-share cap)
+    polls: int = 0                 # step boundaries the exchange spanned
+    wall_seconds: float = 0.0      # commit to the end
 
 
 class KVExchange:
-    """One in-flight exchange over `workers` (every worker of the changed instances) for `num_layers` model layers,
-    last layer first. `instances`: the serving instances whose engines hold parked requests and whose KV managers
-    grow when the exchange ends."""
+    """One in-flight exchange over `workers` (every worker of the changed instances) for `num_layers` model layers.
+    `instances`: the serving instances whose engines hold parked requests and whose KV managers grow when the
+    exchange ends."""
 
-    def __init__(self, pool, workers: list[int], instances: list, num_layers: int, metrics=None):
+    def __init__(self, pool, workers: list[int], instances: list, num_layers: int, cpu_share: float, metrics=None):
         self.pool = pool
         self.workers = workers
         self.instances = instances
-        self.next_end = num_layers
-        self.chunk_layers = 1
+        self.num_layers = num_layers
         self.metrics = metrics
+        self.done = False
+        self.reports: dict[int, dict] = {}   # the latest progress of each worker
+        self._boundaries_since_report = dict.fromkeys(workers, 0)
         parked = sum(len(i.engine.scheduler.exchanging) for i in instances)
         self.stats = ExchangeStats(time.perf_counter(), parked)
         self._grow(self.pool.call_many(workers, "exchange.room_blocks"))
-
-    @property
-    def done(self) -> bool:
-        return self.next_end <= 0
+        self.pool.call_many(workers, "exchange.start", cpu_share)
 
     @property
     def num_parked(self) -> int:
         return sum(len(i.engine.scheduler.exchanging) for i in self.instances)
 
-    def advance(self, target_s: float | None) -> bool:
-        """Move one chunk of layers sized to `target_s` (one stage's execution time; None: no step is running, so
-        a larger chunk delays nobody). Finishes the exchange after the last chunk; returns True then."""
+    def note(self, worker: int, report: dict) -> None:
+        """A worker's progress as its pipeline step returned it (called from the instances' step threads)."""
+        self.reports[worker] = report
+        self._boundaries_since_report[worker] = 0
+
+    def poll(self, idle: bool) -> bool:
+        """At a step boundary: the workers' latest progress (asked by RPC when `idle`, i.e. no batch in flight, or
+        when stale); finish the exchange when all are done (True then)."""
         if self.done:
             return True
-        target = max(target_s if target_s is not None else IDLE_CHUNK_TARGET_S, MIN_CHUNK_TARGET_S)
-        start = max(0, self.next_end - self.chunk_layers)
-        results = self.pool.call_many(self.workers, "exchange.run", start, self.next_end)
-        seconds = max(r["seconds"] for r in results)
-        sent = sum(r["sent_bytes"] for r in results)
-        layers = self.next_end - start
-        self.next_end = start
-        self.stats.chunks += 1
-        self.stats.sent_bytes += sent
-        self.stats.seconds += seconds
-        self.stats.chunk_layers.append(layers)
-        if self.metrics is not None:
-            self.metrics.on_exchange_chunk(sent, seconds)
-        # Next chunk: as many layers as fit the target at this chunk's measured rate.
-        per_layer = seconds / layers
-        self.chunk_layers = max(1, int(target / per_layer) if per_layer > 0 else layers * 2)
-        if self.done:
-            self._finish()
+        self.stats.polls += 1
+        stale = [w for w, n in self._boundaries_since_report.items() if n >= STALE_REPORT_BOUNDARIES]
+        failed = any(r.get("error") for r in self.reports.values())   # the RPC raises it as a WorkerError
+        ask = self.workers if idle or failed else stale
+        if ask:
+            for w, report in zip(ask, self.pool.call_many(ask, "exchange.progress")):
+                self.note(w, report)
+        for w in self.workers:
+            self._boundaries_since_report[w] += 1
+        if len(self.reports) == len(self.workers):
+            self._account(list(self.reports.values()))
+            if all(r["done"] for r in self.reports.values()):
+                self._finish()
         return self.done
 
     def run_to_end(self) -> None:
-        """Finish now (before a reshape or a restore, which need the exchange settled)."""
-        while not self.done:
-            self.advance(None)
+        """Finish now, the rest at full speed (before a reshape or a restore, which need the exchange settled)."""
+        if not self.done:
+            self._account(self.pool.call_many(self.workers, "exchange.wait"))
+            self._finish()
+
+    def _account(self, reports: list[dict]) -> None:
+        busiest = max(reports, key=lambda r: r["seconds"])
+        sent = sum(r["sent_bytes"] for r in reports)
+        if self.metrics is not None:
+            self.metrics.on_exchange_progress(sent - self.stats.sent_bytes, busiest["seconds"] - self.stats.seconds)
+        self.stats.sent_bytes, self.stats.seconds = sent, busiest["seconds"]
+        self.stats.paced_seconds = busiest["paced_seconds"]
+        self.stats.layers = min(r["layers"] for r in reports)
 
     def _finish(self) -> None:
         reports = self.pool.call_many(self.workers, "exchange.finish")
+        self.done = True
         self._grow([r["room_blocks"] for r in reports])
         resumed = sum(i.engine.scheduler.release_exchanging() for i in self.instances)
         self.stats.wall_seconds = time.perf_counter() - self.stats.started
-        log.info("KV exchange done: %d chunks (%s layers), %.1f MiB sent, %.3f s of exchange in %.3f s; %d sequences "
-                 "resumed", self.stats.chunks, self.stats.chunk_layers, self.stats.sent_bytes / 2 ** 20,
-                 self.stats.seconds, self.stats.wall_seconds, resumed)
+        log.info("KV exchange done: %.1f MiB sent, %.3f s of transfer (+%.3f s paced for the steps) beside %d step "
+                 "boundaries in %.3f s; %d sequences resumed", self.stats.sent_bytes / 2 ** 20, self.stats.seconds,
+                 self.stats.paced_seconds, self.stats.polls, self.stats.wall_seconds, resumed)
 
     def _grow(self, room: list[int]) -> None:
         """Each instance's KV manager grows by what every worker of the instance can hold now (its pools commit the
@@ -109,4 +121,4 @@ class KVExchange:
                 self.pool.call(w, "exchange.abort")
             except Exception as exc:   # noqa: BLE001 - best effort: recovery replaces what fails here
                 log.error("worker %d could not abort its KV exchange: %s", w, exc)
-        self.next_end = 0
+        self.done = True

@@ -6,16 +6,21 @@ transfer is an index_select on the sender and an index_copy_ on the receiver; te
 torch.distributed point-to-point ops."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from elastic_hf.kv.migration_plan import KVTransfer
 
 
 def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: int, new_pool,
-               new_head_start: int, layers: tuple[int, int] | None = None) -> dict:
+               new_head_start: int, layers: tuple[int, int] | None = None, group=None,
+               after_layer: Callable[[dict], None] | None = None) -> dict:
     """Execute this worker's share of the plan, one model layer at a time from the last, so the staging buffers
     hold at most one layer's share (ReMP §3.5.4). A pool's layout says which layers it holds (a pipeline stage's
     range). Returns bytes moved locally / sent / received and the largest per-layer staging buffer (the peak extra
     bytes beyond the new pool's pages). layers=(start, end): only those model layers (a chunk of a KV exchange;
-    every worker of the plan must pass the same range)."""
+    every worker of the plan must pass the same range). group: the process group of the point-to-point ops (None:
+    the default one; peers are global ranks either way). after_layer(stats) runs after each layer (a KV exchange
+    paces itself there, and may raise to stop)."""
     import torch
     import torch.distributed as dist
 
@@ -80,12 +85,12 @@ def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: i
         ops, inbox, staging = [], [], 0
         for peer, idx in send.items():
             buf = old_rows.index_select(0, idx + o_off)                 # [rows, head_dim]
-            ops.append(dist.P2POp(dist.isend, buf, peer))
+            ops.append(dist.P2POp(dist.isend, buf, peer, group))
             staging += buf.numel() * buf.element_size()
             stats["sent_bytes"] += buf.numel() * buf.element_size()
         for peer, idx in recv.items():
             buf = torch.empty(idx.numel(), new_lo.head_dim, dtype=new_lo.dtype, device=device)  # [rows, head_dim]
-            ops.append(dist.P2POp(dist.irecv, buf, peer))
+            ops.append(dist.P2POp(dist.irecv, buf, peer, group))
             inbox.append((idx, buf))
             staging += buf.numel() * buf.element_size()
             stats["received_bytes"] += buf.numel() * buf.element_size()
@@ -99,4 +104,6 @@ def migrate_kv(transfers: list[KVTransfer], me: int, old_pool, old_head_start: i
         for idx, buf in inbox:
             new_rows.index_copy_(0, idx + n_off, buf)
         stats["peak_staging_bytes"] = max(stats["peak_staging_bytes"], staging)
+        if after_layer is not None:
+            after_layer(stats)
     return stats

@@ -30,7 +30,6 @@ class DeploymentMetrics:
         self.peak_extra_bytes = Gauge("elastic_hf_reshape_peak_extra_bytes",
                                       "Largest per-worker extra KV bytes of the last reshape", registry=r)
         self.recoveries = Counter("elastic_hf_worker_replacements", "Dead worker processes replaced", registry=r)
-        self.last_stage_busy_s: float | None = None   # slowest stage's busy time of the last pipelined step
         self.pipeline_busy_s = 0.0    # summed over stages and steps: 1 - busy / wall is the overall bubble ratio
         self.pipeline_wall_s = 0.0
 
@@ -47,7 +46,6 @@ class DeploymentMetrics:
     def on_pipeline_step(self, stage_stats: list[dict], workers: tuple[int, ...]) -> None:
         """Stage timings of one pipelined step (every worker of the instance, stage order)."""
         name = "-".join(map(str, workers))
-        self.last_stage_busy_s = max(max(s["busy_s"] for s in stage_stats), self.last_stage_busy_s or 0.0)
         self.pipeline_busy_s += sum(s["busy_s"] for s in stage_stats)
         self.pipeline_wall_s += sum(s["wall_s"] for s in stage_stats)
         for stats in stage_stats:

@@ -19,6 +19,7 @@ from elastic_hf.engine.overload import OverloadArbiter, OverloadDecision, Overlo
 from elastic_hf.parallel.kv_exchange import KVExchange
 from elastic_hf.parallel.overload_metrics import OverloadMetrics
 from elastic_hf.parallel.reshape import ReshapeAborted, ReshapeReport, run_reshape
+from elastic_hf.parallel.worker_pool import WorkerError
 from elastic_hf.topology import InstanceShape, Topology
 from elastic_hf.units import ceil_div
 
@@ -57,11 +58,10 @@ class OverloadControl:
         self.apply_lookahead()
 
     # ------------------------------------------------------------------ every step
-    def on_step(self, stage_busy_s: float | None) -> None:
-        """At a step boundary: one chunk of an exchange in flight, then the arbiter's decision."""
+    def on_step(self) -> None:
+        """At a step boundary: how far an exchange in flight is (finished when done), then the arbiter's decision."""
         if self.exchange is not None:
-            self.exchange.advance(stage_busy_s if self.dep.has_runnable_work() else None)
-            if self.exchange.done:
+            if self.exchange.poll(idle=not self.dep.has_runnable_work()):
                 self.history.append({"event": "exchange_done", **_exchange_dict(self.exchange)})
                 self.exchange = None
         self.metrics.exchanging.set(sum(len(i.engine.scheduler.exchanging) for i in self.dep.instances))
@@ -79,11 +79,21 @@ class OverloadControl:
 
     def apply_lookahead(self) -> None:
         """Every pipelined instance cuts its steps by the cost model (KunServe §4.3), a static pipeline as well as a
-        drop group; without a cost model (or with the `lookahead` ablation off) by token counts."""
+        drop group; without a cost model (or with the `lookahead` ablation off) by token counts. Their stage stats
+        come back to on_stage_reports."""
         model = self.cost_model if self.policy.lookahead else None
         for inst in self.dep.instances:
             inst.runner.lookahead = model if inst.shape.pp > 1 else None
             inst.runner.cost_fit = self.cost_fit if inst.shape.pp > 1 and model is None else None
+            inst.runner.on_stage_reports = self.on_stage_reports
+
+    def on_stage_reports(self, stage_stats: list[dict]) -> None:
+        """A pipelined step's stage stats: the KV exchange's progress on each worker rides on them."""
+        exchange = self.exchange
+        if exchange is not None:
+            for stats in stage_stats:
+                if stats.get("exchange") is not None:
+                    exchange.note(stats["worker"], stats["exchange"])
 
     def _adopt_fitted_cost_model(self) -> None:
         """Once the stage times determine a cost model, the pipelines cut their steps by it from now on."""
@@ -185,7 +195,8 @@ class OverloadControl:
                          | {w for idx, ws in enumerate(plan.new.instances()) if idx not in plan.kept for w in ws})
         touched = [inst for idx, inst in enumerate(dep.instances)
                    if idx not in plan.kept or inst.engine.scheduler.exchanging]
-        self.exchange = KVExchange(dep.pool, workers, touched, dep.num_layers, self.metrics)
+        self.exchange = KVExchange(dep.pool, workers, touched, dep.num_layers, self.policy.exchange_cpu_share,
+                                   self.metrics)
         if not plan.transfers:   # no running request moved: only the old pools to close
             self.settle_exchange()
 
@@ -235,7 +246,13 @@ class OverloadControl:
             self.metrics.drops.labels(outcome="committed").inc()
         elif kind == "restore" and report.old.startswith("[1x"):
             self.metrics.drops.labels(outcome="restored").inc()
-        weights = [r["weights_bytes"] for r in self.dep.memory_report()]
+        try:
+            weights = [r["weights_bytes"] for r in self.dep.memory_report()]
+        except WorkerError:   # a member died past the commit point (mid-exchange): replaced, its requests recomputed
+            if not self.dep.pool.check_health():
+                raise
+            self.dep.recover()
+            weights = [r["weights_bytes"] for r in self.dep.memory_report()]
         for w, (before, now) in enumerate(zip(self.base_weights, weights)):
             self.metrics.dropped_bytes.labels(worker=str(w)).set(max(0, before - now))
         self.history.insert(position, {"event": kind, "outcome": "committed", "old": report.old, "new": report.new,
@@ -263,6 +280,7 @@ class OverloadControl:
 
 def _exchange_dict(exchange: KVExchange) -> dict:
     s = exchange.stats
-    return {"layers_left": max(exchange.next_end, 0), "chunks": s.chunks, "chunk_layers": list(s.chunk_layers),
-            "sent_bytes": s.sent_bytes, "seconds": round(s.seconds, 4), "wall_seconds": round(s.wall_seconds, 4),
-            "parked_seqs": s.num_parked_seqs, "stalled_now": exchange.num_parked}
+    return {"done": exchange.done, "layers_moved": s.layers, "step_boundaries": s.polls, "sent_bytes": s.sent_bytes,
+            "seconds": round(s.seconds, 4), "paced_seconds": round(s.paced_seconds, 4),
+            "wall_seconds": round(s.wall_seconds, 4), "parked_seqs": s.num_parked_seqs,
+            "stalled_now": exchange.num_parked}

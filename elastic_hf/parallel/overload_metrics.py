@@ -31,7 +31,7 @@ class OverloadMetrics:
         self.exchange_bytes = Counter("elastic_hf_kv_exchange_bytes", "KV bytes sent by coordinated exchanges",
                                       registry=r)
         self.exchange_seconds = Counter("elastic_hf_kv_exchange_seconds",
-                                        "Seconds spent in KV exchange chunks (steps wait this long)", registry=r)
+                                        "Seconds of KV exchange transfer on the busiest worker (beside the steps)", registry=r)
         self.exchanging = Gauge("elastic_hf_requests_exchanging",
                                 "Sequences stalled while their KV is exchanged", registry=r)
         self.cost_model_error = Gauge("elastic_hf_cost_model_error",
@@ -42,6 +42,6 @@ class OverloadMetrics:
         for name in OVERLOAD_RESPONSES[1:4]:
             self.active.labels(response=name).set(1 if name == response else 0)
 
-    def on_exchange_chunk(self, sent_bytes: int, seconds: float) -> None:
+    def on_exchange_progress(self, sent_bytes: int, seconds: float) -> None:
         self.exchange_bytes.inc(sent_bytes)
         self.exchange_seconds.inc(seconds)

@@ -206,7 +206,7 @@ def run_reshape(deployment, target, weights_source: str | None = None, allow_pre
     """Change the deployment's topology in place, e.g. [1, 1] -> [2] -> [1, 1]. Call between steps (the
     deployment's driver thread), which is the quiesce point. Raises ValueError for a topology that is not a
     candidate or a plan that does not fit, ReshapeAborted when a worker fails before the commit point; the old
-    topology is then still serving. defer_kv: move the KV after the commit point, between steps (a parameter
+    topology is then still serving. defer_kv: move the KV after the commit point, beside the steps (a parameter
     drop, parallel/kv_exchange.py); the deployment starts the exchange in `resume`."""
     new = deployment.check_topology(target)
     deployment.drain_batches()     # no step in flight: the plan reads every sequence's computed tokens and blocks

@@ -25,7 +25,7 @@ class ReshapePlan:
     kept: dict[int, int] = field(default_factory=dict)  # new instance -> old instance with the same workers
     weights_source: str = "host"               # where missing shard chunks come from: "host" store or "peers"
     overlap_weights: bool = True               # load host-store chunks while the KV migrates (ReMP §3.3)
-    # A parameter drop (KunServe §4.2): the KV moves after the commit point, in chunks between steps, while the
+    # A parameter drop (KunServe §4.2): the KV moves after the commit point, beside the steps, while the
     # new instance already serves queued requests (parallel/kv_exchange.py); the old pools live until then.
     defer_kv: bool = False
 

@@ -6,6 +6,7 @@ method may name a sub-object ("morph.sync", "reshape.prepare"). Tensors between 
 torch.distributed (gloo on CPU, NCCL on GPU, TCPStore rendezvous)."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import logging
@@ -91,6 +92,9 @@ class Worker:
         self.exchange = KVExchangeParticipant(self) if self.is_sharded else None
         self.links: StageLinks | None = None
         self.last_pipeline_stats: dict | None = None
+        # Read by a KV exchange's thread, which slows down while steps run (worker_exchange.py).
+        self.steps_started = 0
+        self.in_step = False
         self.apply_stage()
 
     # ------------------------------------------------------------------ assembly helpers
@@ -226,7 +230,8 @@ class Worker:
         """One step of this worker's instance. Every rank runs it (the all-reduces need them); rank 0 returns the
         logits [num_sampling_seqs, vocab], or with `sampling` (one RemoteSampling per sampling row) the tokens
         sampled from them (a SampledStep); the others None."""
-        logits = self.instance.runner.execute(inputs)
+        with self._stepping():
+            logits = self.instance.runner.execute(inputs)
         role = self.topology.role(self.me)
         if role is None or role.rank != 0:
             return None
@@ -239,12 +244,25 @@ class Worker:
         if self.links is None:
             raise RuntimeError(f"worker {self.me} is not a pipeline stage in topology {self.topology}")
         role = self.topology.role(self.me)
-        logits, stats = run_pipeline_step(self.instance.runner, self.links, micro_batches)
-        self.last_pipeline_stats = {"stage": role.stage, "busy_s": stats.busy_s, "wall_s": stats.span_s,
-                                    "bubble_ratio": stats.bubble_ratio, "sent_bytes": stats.sent_bytes}
+        with self._stepping():
+            logits, stats = run_pipeline_step(self.instance.runner, self.links, micro_batches)
+        self.last_pipeline_stats = {"worker": self.me, "stage": role.stage, "busy_s": stats.busy_s,
+                                    "wall_s": stats.span_s, "bubble_ratio": stats.bubble_ratio,
+                                    "sent_bytes": stats.sent_bytes,
+                                    # a KV exchange's progress, so the control plane need not ask mid-step
+                                    "exchange": self.exchange.report() if self.exchange is not None else None}
         if not (role.is_last_stage and role.rank == 0):
             return None, self.last_pipeline_stats
         return (logits if sampling is None else sample_remote(logits, sampling)), self.last_pipeline_stats
+
+    @contextlib.contextmanager
+    def _stepping(self):
+        self.steps_started += 1
+        self.in_step = True
+        try:
+            yield
+        finally:
+            self.in_step = False
 
     def morph_info(self):
         if self.morph is None:

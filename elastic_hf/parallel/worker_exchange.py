@@ -1,15 +1,41 @@
 """A worker's part of a coordinated KV exchange (KunServe §4.2): after a parameter drop commits, the KV of running
 requests for layers now owned by a peer is sent, not recomputed. The old pool (all layers of the requests this
-worker ran) stays alive until the exchange ends; the control plane calls `run` with one chunk of layers between
-pipeline steps, so activation transfers are never queued behind the exchange, then `finish`, which returns the old
-pool's pages to the budget, which the instance's KV manager then grows its serving pool into (`room_blocks` says
-how far). Reached as "exchange.<method>" through the worker's RPC."""
+worker ran) stays alive until the exchange ends.
+
+The transfer runs on a thread of its own, concurrently with the steps the main thread keeps running for the queued
+requests (the steps never touch the parked requests' blocks, the only rows the exchange writes), over a process
+group of its own (parallel/groups.py), last layer first. While a step runs, the thread holds itself to `cpu_share` of
+one core: after a layer that took t seconds of its CPU time it sleeps t * (1 - share) / share, so the step keeps the
+rest of the core; with no step running it moves at full speed. The control plane polls `progress` at step boundaries and calls
+`finish` once every worker is done, which returns the old pool's pages to the budget (the instance's KV manager then
+grows its serving pool into them; `room_blocks` says how far). Reached as "exchange.<method>" through the worker's
+RPC."""
 from __future__ import annotations
 
+import logging
+import os
+import queue
+import threading
 import time
 
 from elastic_hf.kv.migration_plan import KVTransfer
 from elastic_hf.parallel.kv_migration import migrate_kv
+
+log = logging.getLogger(__name__)
+
+ABORT_JOIN_S = 10.0   # an aborted exchange's thread is waited for this long (its peer's death fails its transfer)
+
+
+def _warm_up() -> None:
+    """The ops of a transfer, once on tiny tensors (see KVExchangeParticipant.__init__)."""
+    import torch
+
+    rows = torch.zeros(4, 2)
+    rows.index_copy_(0, torch.arange(2), rows.index_select(0, torch.arange(2, 4)))
+
+
+class ExchangeStopped(Exception):
+    """The control plane abandoned the exchange (a group member died)."""
 
 
 class KVExchangeParticipant:
@@ -18,7 +44,20 @@ class KVExchangeParticipant:
         self._transfers: list[KVTransfer] | None = None
         self._src = self._dst = None
         self._src_head = self._dst_head = 0
-        self._fault_after_chunks: int | None = None
+        self._fault_after_layers: int | None = None
+        self._started = False              # an exchange was started and not yet finished or aborted
+        self._idle = threading.Event()     # the thread has no exchange to move (set: done or never started)
+        self._idle.set()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # One thread for the worker's life, started here: its stack, malloc arena and torch's thread-local state are
+        # part of the worker's footprint from the start, not RSS that appears at a drop's commit point.
+        threading.Thread(target=self._serve, name=f"elastic-hf-kv-exchange-{worker.me}", daemon=True).start()
+        self._stop = threading.Event()
+        self._full_speed = threading.Event()
+        self._cpu_share = 1.0
+        self._progress = {"layers": 0, "seconds": 0.0, "paced_seconds": 0.0, "sent_bytes": 0, "received_bytes": 0,
+                          "local_bytes": 0}
+        self._error: str | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -27,47 +66,124 @@ class KVExchangeParticipant:
     def begin(self, transfers: list[KVTransfer], src_pool, src_head_start: int, dst_pool,
               dst_head_start: int) -> None:
         """Called at the commit point of a deferred-KV plan: src_pool is the old pool (or the kept pool itself),
-        dst_pool the pool the worker now serves from."""
+        dst_pool the pool the worker now serves from. Nothing moves before `start`."""
         if self._transfers is not None:
             raise RuntimeError(f"worker {self.worker.me} already has a KV exchange in flight")
         self._transfers = [t for t in transfers if self.worker.me in (t.src_worker, t.dst_worker)]
         self._src, self._src_head, self._dst, self._dst_head = src_pool, src_head_start, dst_pool, dst_head_start
 
-    def arm_fault(self, after_chunks: int | None) -> None:
-        """End this process after `after_chunks` more chunks (a failure drill: a group member dies mid-exchange)."""
-        self._fault_after_chunks = after_chunks
+    def arm_fault(self, after_layers: int | None) -> None:
+        """End this process after `after_layers` more layers of the exchange (a failure drill: a group member dies
+        mid-exchange)."""
+        self._fault_after_layers = after_layers
 
-    def run(self, layer_start: int, layer_end: int) -> dict:
-        """Move every transfer's share of model layers [layer_start, layer_end), last layer first (every worker of
-        the exchange runs the same range, so the point-to-point ops pair up)."""
-        if self._fault_after_chunks is not None:
-            if self._fault_after_chunks == 0:
-                import os
+    def start(self, cpu_share: float) -> None:
+        """Start moving every transfer's share, last layer first, beside the steps (every worker of the exchange
+        starts, so the point-to-point ops of each layer pair up)."""
+        if not 0 < cpu_share <= 1:
+            raise ValueError(f"cpu_share must be in (0, 1], got {cpu_share}")
+        if self._started:
+            raise RuntimeError(f"worker {self.worker.me}: the KV exchange already started")
+        self._cpu_share = cpu_share
+        self._stop.clear()
+        self._full_speed.clear()
+        self._error = None
+        self._progress = dict.fromkeys(self._progress, 0)
+        self._started = True
+        self._idle.clear()
+        self._jobs.put(self._run)
 
-                os._exit(18)   # a real process death mid-exchange
-            self._fault_after_chunks -= 1
-        if self._transfers is None:   # not part of this exchange's transfers (e.g. a kept peer with none)
-            return {"seconds": 0.0, "sent_bytes": 0, "received_bytes": 0, "local_bytes": 0}
-        started = time.perf_counter()
-        stats = migrate_kv(self._transfers, self.worker.me, self._src, self._src_head, self._dst, self._dst_head,
-                           (layer_start, layer_end))
-        stats["seconds"] = time.perf_counter() - started
-        return stats
+    def _serve(self) -> None:
+        _warm_up()
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            finally:
+                self._idle.set()
+
+    def _run(self) -> None:
+        if not self._transfers:   # not part of this exchange's transfers (e.g. a kept peer with none)
+            return
+        group = self.worker.groups.exchange
+        try:
+            migrate_kv(self._transfers, self.worker.me, self._src, self._src_head, self._dst, self._dst_head,
+                       group=group, after_layer=self._after_layer(time.perf_counter()))
+        except ExchangeStopped:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - reported through progress(); the control plane recovers
+            log.error("worker %d: KV exchange failed: %s", self.worker.me, exc)
+            self._error = f"{type(exc).__name__}: {exc}"
+
+    def _after_layer(self, started: float):
+        # CPU time of this thread, not wall time: a layer's wall time includes waiting for a peer that is itself
+        # pausing, and pacing on it would compound the peers' pauses layer after layer.
+        layer_started = [started, time.thread_time(), self.worker.steps_started]
+
+        def after_layer(stats: dict) -> None:
+            now, cpu = time.perf_counter(), time.thread_time()
+            progress = self._progress
+            progress["layers"] += 1
+            progress["seconds"] += now - layer_started[0]
+            for key in ("sent_bytes", "received_bytes", "local_bytes"):
+                progress[key] = stats[key]
+            if self._fault_after_layers is not None:
+                if self._fault_after_layers == 0:
+                    os._exit(18)   # a real process death mid-exchange
+                self._fault_after_layers -= 1
+            stepped = self.worker.in_step or self.worker.steps_started != layer_started[2]
+            if stepped and self._cpu_share < 1 and not self._full_speed.is_set():
+                pause = (cpu - layer_started[1]) * (1 - self._cpu_share) / self._cpu_share
+                self._full_speed.wait(pause)   # wakes early when the control plane waits for the end
+                progress["paced_seconds"] += time.perf_counter() - now
+            if self._stop.is_set():
+                raise ExchangeStopped
+            layer_started[:] = [time.perf_counter(), time.thread_time(), self.worker.steps_started]
+        return after_layer
+
+    def report(self) -> dict | None:
+        """Where this worker's part stands (None: no exchange started): done, layers moved, seconds of transfer
+        work, bytes, the error of a failed transfer. Every pipeline step returns it with its stage stats."""
+        if not self._started:
+            return None
+        return {"done": self._idle.is_set(), "error": self._error, **self._progress}
+
+    def progress(self) -> dict:
+        """report() as an RPC (an idle deployment asks): raises when the transfer failed (the control plane then
+        checks the group's health and recovers)."""
+        if self._error is not None:
+            raise RuntimeError(f"worker {self.worker.me}: KV exchange failed: {self._error}")
+        return self.report() or {"done": True, **self._progress}
+
+    def wait(self) -> dict:
+        """Move the rest at full speed and return when this worker's part is done (before a reshape or restore)."""
+        self._full_speed.set()
+        self._idle.wait()
+        return self.progress()
 
     def finish(self) -> dict:
         """The exchange is over: the old pool's pages go back to the budget. Returns how many more KV blocks the
         budget now lets the serving pool attach."""
+        self.wait()
         self._release_source()
         return {"room_blocks": self.room_blocks(), **self.worker.memory_report()}
 
     def abort(self) -> None:
         """A group member died mid-exchange: the KV in transit is dropped (its requests are recomputed)."""
+        self._stop.set()
+        self._full_speed.set()
+        if not self._idle.wait(ABORT_JOIN_S):   # still inside a transfer: its buffers must outlive it
+            log.error("worker %d: the KV exchange thread did not stop within %.0f s; its old pool is kept",
+                      self.worker.me, ABORT_JOIN_S)
+            self._transfers, self._started = None, False
+            return
         self._release_source()
 
     def _release_source(self) -> None:
         if self._src is not None and self._src is not self._dst:
             self._src.arena.close()
         self._transfers = None
+        self._started = False
         self._src = self._dst = None
 
     # ------------------------------------------------------------------ room for the serving pool

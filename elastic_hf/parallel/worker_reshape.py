@@ -121,7 +121,7 @@ class ReshapeParticipant:
             txn["preload"] = _Preload(worker.weights, new[1], new[2], txn["new_layers"])
         if plan.defer_kv:
             # A parameter drop: nothing moves before the commit point. The old pool keeps its live blocks and hands
-            # them to the exchange (worker_exchange.py), which sends them in chunks between steps.
+            # them to the exchange (worker_exchange.py), which sends them on its own thread beside the steps.
             txn["exchange"] = (worker.pool, old_h0, new_pool, new_h0)
             self._check_fault("kv_migrate")
             return {"deferred": True}

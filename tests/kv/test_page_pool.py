@@ -93,3 +93,25 @@ def test_a_hole_left_by_a_detached_block_costs_nothing_to_fill():
     assert pool.attachable_within(0) == 1   # block 1 again, on its committed page; block 10 would need page 4
     assert pool.attachable_within(PAGE) == 1 + 3   # and blocks 10-12 (240-312 KiB), whose new page is page 4
     assert pool.attach_blocks(1) == [1] and pool.committed_bytes == 4 * PAGE
+
+
+def test_trim_of_blocks_larger_than_a_page_decommits_in_runs(monkeypatch):
+    """Blocks of 1.5 pages (the CPU case: 4 KiB pages, blocks of hundreds of KiB): only the pages at a live
+    block's ends are shared, and a trim gives back each free stretch in one decommit call, not page by page."""
+    page = 16 << 10
+    layout = KVLayout(num_layers=3, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32, page_size=page)
+    budget = MemoryBudget(1 << 30)
+    pool = KVPagePool(layout, create_arena("cpu", 64 * layout.block_bytes, budget, "kv", page_size=page), 64, 64)
+    for b in (5, 40):
+        _fill(pool, b, b + 1)
+    calls = []
+    decommit = pool.arena.decommit
+    monkeypatch.setattr(pool.arena, "decommit", lambda offset, nbytes: calls.append(nbytes) or decommit(offset,
+                                                                                                       nbytes))
+    pool.trim_to({5, 40})
+    kept_pages = sum(e - s for s, e in (layout.page_span(5), layout.page_span(40)))   # 2 pages each: 1.5-page blocks
+    assert pool.committed_bytes == kept_pages * page == 4 * page
+    assert len(calls) == 3   # before block 5, between 5 and 40, after 40
+    assert _holds(pool, 5, 6) and _holds(pool, 40, 41)
+    pool.detach_blocks([b for b in range(64) if b not in (5, 40, 41)])
+    assert pool.committed_bytes == 4 * page   # block 41 shares block 40's last page, none beyond it
