@@ -31,7 +31,8 @@ class OverloadMetrics:
         self.exchange_bytes = Counter("elastic_hf_kv_exchange_bytes", "KV bytes sent by coordinated exchanges",
                                       registry=r)
         self.exchange_seconds = Counter("elastic_hf_kv_exchange_seconds",
-                                        "Seconds of KV exchange transfer on the busiest worker (beside the steps)", registry=r)
+                                        "Seconds of KV exchange transfer on the busiest worker (beside the steps)",
+                                        registry=r)
         self.exchanging = Gauge("elastic_hf_requests_exchanging",
                                 "Sequences stalled while their KV is exchanged", registry=r)
         self.cost_model_error = Gauge("elastic_hf_cost_model_error",
