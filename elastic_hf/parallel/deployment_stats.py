@@ -48,4 +48,5 @@ def deployment_stats(deployment) -> dict:
     return {**totals, "topology": str(deployment.topology),
             "num_computed_prompt_tokens": deployment.num_computed_prompt_tokens,
             "num_reshapes": sum(committed), "num_rolled_back": len(committed) - sum(committed),
-            "reshape_seconds": [round(r.seconds, 4) for r in deployment.reshapes if r.committed], "instances": per_instance}
+            "reshape_seconds": [round(r.seconds, 4) for r in deployment.reshapes if r.committed],
+            "instances": per_instance}
