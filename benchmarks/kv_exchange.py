@@ -17,12 +17,14 @@ time overhead (the steps run while the exchange was in flight against the contro
 requests, same step mix), the queued requests' time to first token from the drop, and the running requests' stall
 (last token before the drop to the next one). Medians over --runs with [min-max].
 
-Then each variant restores [1,1] with every request still running and reports the restore's time and the requests'
-gap across it over the steady step time before it (a request's TPOT across a restore, in steps).
+Then each variant restores [1,1] with every request still running and reports the restore reshape's time and the
+requests' longest gap between two tokens across it over the steady step time before it (a request's TPOT across a
+restore, in steps): the overlapped variants restore as the arbiter does (layers loaded beside the steps first,
+restore_prewarm.py), control and blocking as an operator's blocking restore.
 
 RESULT lines: kv_exchange_step_overhead (overlapped at the first share: step time during the exchange / control),
 kv_exchange_queued_ttft_gain (blocking / overlapped), kv_exchange_running_stall_ratio (overlapped / blocking),
-restore_gap_over_step (all variants)."""
+restore_gap_over_step_prewarm, restore_gap_over_step_blocking."""
 from __future__ import annotations
 
 import argparse
@@ -87,7 +89,7 @@ def run_variant(dep, variant: str, running_prompts, queued_prompts, steps: int) 
             seen[out.request_id] = now
     dep.settle_exchange()   # not finished within --steps: the rest before the restore is timed
     exchange = next((h for h in overload.history[position:] if h["event"] == "exchange_done"), None)
-    restore = measure_restore(dep, seen, step_s[-8:])
+    restore = measure_restore(dep, seen, step_s[-8:], prewarm=variant.startswith("overlapped"))
     for rid in running + queued:
         dep.abort_request(rid)
     while dep.has_unfinished_requests():
@@ -101,24 +103,35 @@ def run_variant(dep, variant: str, running_prompts, queued_prompts, steps: int) 
             if running and resumed else None}
 
 
-def measure_restore(dep, seen: dict[str, float], steady_steps: list[float]) -> dict:
-    """Restore [1,1] with every request still running (a blocking reshape today: layers back from the host store,
-    the KV migrated inside the transaction) and measure each request's gap from its last token before the restore
-    to its next one, against the steady step time just before."""
+def measure_restore(dep, seen: dict[str, float], steady_steps: list[float], prewarm: bool) -> dict:
+    """Restore [1,1] with every request still running and measure each request's longest gap between two tokens
+    from the restore's start to its first token after the commit, against the steady step time just before.
+    prewarm: the arbiter's restore (the layers load beside the steps, then the reshape commits, restore_prewarm.py);
+    else the operator's blocking one (layers and KV inside one reshape)."""
+    overload = dep.overload
     t0 = time.perf_counter()
-    report = dep.overload.restore()
-    restore_s = time.perf_counter() - t0
-    if report is None:
-        raise RuntimeError(f"the restore did not commit: {dep.overload.history[-1]}")
-    after: dict[str, float] = {}
-    for _ in range(20):
+    if prewarm:
+        if not overload.begin_restore():
+            raise RuntimeError(f"the restore did not start: {overload.history[-1]}")
+    elif overload.restore() is None:
+        raise RuntimeError(f"the restore did not commit: {overload.history[-1]}")
+    last, gap, after = dict(seen), dict.fromkeys(seen, 0.0), set()
+    for _ in range(200):
+        committed = dep.topology == overload.base_topology
         for out in dep.step():
-            after.setdefault(out.request_id, time.perf_counter())
+            now = time.perf_counter()
+            if out.request_id in last:
+                gap[out.request_id] = max(gap[out.request_id], now - last[out.request_id])
+                last[out.request_id] = now
+                if committed:
+                    after.add(out.request_id)
         if len(after) >= len(seen):
             break
-    gaps = [after[r] - seen[r] for r in seen if r in after]
-    steady = statistics.median(steady_steps)
-    return {"restore_s": restore_s, "restore_gap_s": statistics.median(gaps), "steady_step_s": steady}
+    restore_s = time.perf_counter() - t0
+    entry = [h for h in overload.history if h["event"] == "restore"][-1]
+    return {"restore_s": entry["seconds"], "restore_total_s": restore_s,
+            "restore_gap_s": statistics.median(gap.values()),
+            "steady_step_s": statistics.median(steady_steps)}
 
 
 def main(argv=None) -> int:
@@ -168,7 +181,7 @@ def main(argv=None) -> int:
           f"{args.queued_prompt_tokens}; {args.steps} steps after the drop; medians of {args.runs} alternating "
           f"runs [min-max]")
     print(f"{'variant':<16}{'drop s':>22}{'exchange wall s':>24}{'steps spanned':>16}{'step overhead':>22}"
-          f"{'queued TTFT s':>24}{'running stall s':>24}{'MiB sent':>10}{'restore s':>22}{'gap/step':>20}")
+          f"{'queued TTFT s':>24}{'running stall s':>24}{'MiB sent':>10}{'restore reshape s':>22}{'gap/step':>20}")
     summary: dict[str, dict] = {}
     for variant, runs in results.items():
         ratios = [overhead(r, c) for r, c in zip(runs, control)] if variant.startswith("overlapped") else []
@@ -189,8 +202,10 @@ def main(argv=None) -> int:
           f"{statistics.median(blocking['ttft']) / statistics.median(summary[first]['ttft']):.4g}")
     print(f"RESULT kv_exchange_running_stall_ratio "
           f"{statistics.median(summary[first]['stall']) / statistics.median(blocking['stall']):.4g}")
-    gaps = [r["restore_gap_s"] / r["steady_step_s"] for runs in results.values() for r in runs]
-    print(f"RESULT restore_gap_over_step {statistics.median(gaps):.4g}")
+    for name, prewarm in (("prewarm", True), ("blocking", False)):
+        gaps = [r["restore_gap_s"] / r["steady_step_s"] for v, runs in results.items() for r in runs
+                if v.startswith("overlapped") == prewarm]
+        print(f"RESULT restore_gap_over_step_{name} {statistics.median(gaps):.4g}")
     return 0
 
 

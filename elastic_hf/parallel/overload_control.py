@@ -19,6 +19,7 @@ from elastic_hf.engine.overload import OverloadArbiter, OverloadDecision, Overlo
 from elastic_hf.parallel.kv_exchange import KVExchange
 from elastic_hf.parallel.overload_metrics import OverloadMetrics
 from elastic_hf.parallel.reshape import ReshapeAborted, ReshapeReport, run_reshape
+from elastic_hf.parallel.restore_prewarm import RestorePrewarm
 from elastic_hf.parallel.worker_pool import WorkerError
 from elastic_hf.topology import InstanceShape, Topology
 from elastic_hf.units import ceil_div
@@ -38,6 +39,7 @@ class OverloadControl:
         self.metrics = OverloadMetrics(deployment.metrics.registry, config.num_workers)
         self.base_topology: Topology = deployment.topology
         self.exchange: KVExchange | None = None
+        self.prewarm: RestorePrewarm | None = None   # a restore whose layers load beside the steps
         # The fitted micro-batch cost model (layer splits of drops, lookahead micro-batches): the configured
         # profile, else the one shipped for the default model at this dtype, else none (bytes and token counts)
         from elastic_hf.engine.cost_model import CostModel, shipped_cost_model
@@ -64,6 +66,8 @@ class OverloadControl:
             if self.exchange.poll(idle=not self.dep.has_runnable_work()):
                 self.history.append({"event": "exchange_done", **_exchange_dict(self.exchange)})
                 self.exchange = None
+        if self.prewarm is not None and self.prewarm.poll(idle=not self.dep.has_runnable_work()):
+            self._commit_restore()
         self.metrics.exchanging.set(sum(len(i.engine.scheduler.exchanging) for i in self.dep.instances))
         if self.cost_fit is not None:
             self._adopt_fitted_cost_model()
@@ -88,12 +92,13 @@ class OverloadControl:
             inst.runner.on_stage_reports = self.on_stage_reports
 
     def on_stage_reports(self, stage_stats: list[dict]) -> None:
-        """A pipelined step's stage stats: the KV exchange's progress on each worker rides on them."""
-        exchange = self.exchange
-        if exchange is not None:
-            for stats in stage_stats:
-                if stats.get("exchange") is not None:
-                    exchange.note(stats["worker"], stats["exchange"])
+        """A pipelined step's stage stats: the KV exchange's and a restore prewarm's progress ride on them."""
+        exchange, prewarm = self.exchange, self.prewarm
+        for stats in stage_stats:
+            if exchange is not None and stats.get("exchange") is not None:
+                exchange.note(stats["worker"], stats["exchange"])
+            if prewarm is not None and "prewarm" in stats:
+                prewarm.note(stats["worker"], stats["prewarm"])
 
     def _adopt_fitted_cost_model(self) -> None:
         """Once the stage times determine a cost model, the pipelines cut their steps by it from now on."""
@@ -107,7 +112,7 @@ class OverloadControl:
     def wants_steps(self) -> bool:
         """Keep an idle driver stepping while an exchange is in flight or a drop / merge waits for its restore
         window (the low load must be observed at step boundaries)."""
-        return self.exchange is not None or self.arbiter.active in ("drop", "tp-merge")
+        return self.exchange is not None or self.prewarm is not None or self.arbiter.active in ("drop", "tp-merge")
 
     def snapshot(self) -> OverloadSnapshot:
         dep = self.dep
@@ -133,8 +138,8 @@ class OverloadControl:
                 action, ok = "tp-merge", self.tp_merge() is not None   # the fallback when no drop plan exists
         elif action == "tp-merge":
             ok = self.tp_merge() is not None
-        elif action == "restore":   # an operator may have restored already: that counts
-            ok = self.restore() is not None or self.dep.topology == self.base_topology
+        elif action == "restore":
+            ok = self.begin_restore()
         self.metrics.decisions.labels(action=action, outcome="done" if ok else "refused").inc()
         self.arbiter.done(action, ok)
         self.metrics.set_active(self.arbiter.active)
@@ -176,11 +181,34 @@ class OverloadControl:
         return self._reshape("tp-merge", target)
 
     def restore(self) -> ReshapeReport | None:
-        """Back to the configured layout: the dropped layers (or full shards) come back from the shared host store
-        while the KV is redistributed (KunServe §4.4)."""
+        """Back to the configured layout now: the dropped layers (or full shards) come back from the shared host
+        store while the KV is redistributed (KunServe §4.4); layers a prewarm loaded already are used as they are."""
         if self.dep.topology == self.base_topology:
             return None
-        return self._reshape("restore", self.base_topology)
+        extra, self.prewarm = (self.prewarm.summary() if self.prewarm is not None else {}), None
+        return self._reshape("restore", self.base_topology, extra=extra)
+
+    def begin_restore(self) -> bool:
+        """The arbiter's restore. After a drop the layers first load beside the steps (restore_prewarm.py) and the
+        reshape commits at a later step boundary; after a TP merge, or without enough free KV blocks for the
+        layers, it runs now. An operator may have restored already: that counts."""
+        if self.dep.topology == self.base_topology:
+            return True
+        dropped = all(i.shape.tp == 1 for i in self.dep.instances) and any(i.shape.pp > 1 for i in self.dep.instances)
+        if self.prewarm is None and self.exchange is None and dropped:
+            self.prewarm = RestorePrewarm.start(self.dep, self.base_topology)
+            if self.prewarm is not None:
+                return True
+        return self.restore() is not None
+
+    def _commit_restore(self) -> None:
+        prewarm = self.prewarm
+        if self.restore() is None and self.dep.topology != self.base_topology:
+            # Refused or rolled back: the dropped layout serves on, the loaded layers go back (a rollback's workers
+            # released them already), the KV managers grow by the blocks they gave, and the drop stays active.
+            prewarm.cancel()
+            self.arbiter.active = "drop"
+            self.metrics.set_active(self.arbiter.active)
 
     def settle_exchange(self) -> None:
         if self.exchange is not None:
@@ -228,7 +256,10 @@ class OverloadControl:
             layer_cost, head_cost = self.layer_bytes / num_layers, self.head_bytes
         return InstanceShape(1, n, stage_split(num_layers, n, layer_cost, head_cost))
 
-    def _reshape(self, kind: str, target, defer_kv: bool = False) -> ReshapeReport | None:
+    def _reshape(self, kind: str, target, defer_kv: bool = False, extra: dict | None = None) -> ReshapeReport | None:
+        if self.prewarm is not None:   # a restore's layers were loading: another reshape comes first
+            self.prewarm.cancel()
+            self.prewarm = None
         started = time.perf_counter()
         # The commit starts the KV exchange from inside run_reshape, and one with nothing to move settles at once:
         # the reshape's own entry goes before whatever the exchange logged meanwhile, in commit order.
@@ -258,7 +289,8 @@ class OverloadControl:
         self.history.insert(position, {"event": kind, "outcome": "committed", "old": report.old, "new": report.new,
                                        "seconds": round(time.perf_counter() - started, 4),
                                        "dropped_weight_bytes": [max(0, b - n)
-                                                                for b, n in zip(self.base_weights, weights)]})
+                                                                for b, n in zip(self.base_weights, weights)],
+                                       **(extra or {})})
         return report
 
     def _refused(self, kind: str, reason: str) -> None:
@@ -275,6 +307,7 @@ class OverloadControl:
                 "capacity_tokens": snap.capacity_tokens, "base_capacity_tokens": snap.base_capacity_tokens,
                 "demand_ratio": round(snap.demand_ratio, 4),
                 "exchange": None if self.exchange is None else _exchange_dict(self.exchange),
+                "restore_prewarm": None if self.prewarm is None else self.prewarm.summary(),
                 "history": list(self.history)}
 
 

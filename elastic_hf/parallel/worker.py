@@ -249,8 +249,10 @@ class Worker:
         self.last_pipeline_stats = {"worker": self.me, "stage": role.stage, "busy_s": stats.busy_s,
                                     "wall_s": stats.span_s, "bubble_ratio": stats.bubble_ratio,
                                     "sent_bytes": stats.sent_bytes,
-                                    # a KV exchange's progress, so the control plane need not ask mid-step
-                                    "exchange": self.exchange.report() if self.exchange is not None else None}
+                                    # a KV exchange's and a restore's weight load's progress, so the control
+                                    # plane need not ask mid-step
+                                    "exchange": self.exchange.report() if self.exchange is not None else None,
+                                    "prewarm": self.reshape.prewarm_report() if self.reshape is not None else None}
         if not (role.is_last_stage and role.rank == 0):
             return None, self.last_pipeline_stats
         return (logits if sampling is None else sample_remote(logits, sampling)), self.last_pipeline_stats

@@ -25,6 +25,8 @@ class ReshapeParticipant:
         self.worker = worker
         self._txn: dict | None = None
         self._fault: tuple[str, bool] | None = None
+        self._prewarm: _Preload | None = None
+        self._prewarm_target = None   # the topology whose layers it loads
 
     @property
     def _me(self) -> int:
@@ -51,6 +53,39 @@ class ReshapeParticipant:
             raise RuntimeError(f"worker {self._me} has no prepared reshape to commit")
         return self._txn
 
+    # ------------------------------------------------------------------ a restore's weights, beside the steps
+    def prewarm(self, topology) -> bool:
+        """Start loading, on a thread beside the steps, the layers this worker holds in `topology` and not now (a
+        restore after a parameter drop, KunServe §4.4): the restore's stop-the-world part is then the KV migration
+        alone. The control plane freed budget for them first (free KV blocks given back). The layers stay inactive
+        until a reshape switches to them (its prepare joins this) or `drop_prewarm` releases them. Returns whether
+        a load started."""
+        worker = self.worker
+        role = worker.groups.for_topology(topology, self._me)
+        if role is None or self._prewarm is not None or self._txn is not None:
+            return False
+        _, tp, rank = role
+        self._prewarm = _Preload(worker.weights, tp, rank, worker.layer_range(topology))
+        self._prewarm_target = topology
+        return True
+
+    def prewarm_report(self) -> dict | None:
+        """None without a prewarm; else whether its load is done (returned with every pipeline step's stats)."""
+        if self._prewarm is None:
+            return None
+        return {"done": not self._prewarm.thread.is_alive()}
+
+    def drop_prewarm(self) -> dict:
+        """The restore did not happen: wait for the load, then give back every layer outside this worker's current
+        range. Returns the bytes released."""
+        if self._prewarm is None:
+            return {"released_bytes": 0}
+        self._prewarm.join(raise_error=False)
+        self._prewarm = None
+        start, end = self.worker.layer_range()
+        outside = [i for i in range(self.worker.loaded.num_layers) if not start <= i < end]
+        return {"released_bytes": self.worker.weights.release_layers(outside)}
+
     # ------------------------------------------------------------------ phases before the commit point
     def prepare(self, plan: ReshapePlan) -> dict:
         """Phase 1: scale-up releases the MLP shards it no longer owns (MLP first, so the freed pages can take the
@@ -66,11 +101,17 @@ class ReshapeParticipant:
         new = worker.groups.for_topology(plan.new, self._me)
         kept = plan.is_kept(self._me) or (old_role is None and new_role is None)
         old_layers, new_layers = worker.layer_range(plan.old), worker.layer_range(plan.new)
+        prewarmed = None
+        if self._prewarm is not None:   # a restore's weights loaded beside the steps: finished before anything moves
+            if self._prewarm_target == plan.new:
+                prewarmed, self._prewarm = self._prewarm.join(raise_error=False), None
+            else:
+                prewarmed = self.drop_prewarm()   # another reshape: the layers it loaded go back first
         budget = worker.budget
         txn = {"plan": plan, "old": old, "new": new, "trimmed": [], "new_pool": None, "kept": kept,
                "old_layers": old_layers, "new_layers": new_layers,
                "stats": {"weights_bytes_before": budget.used_bytes("weights"),
-                         "kv_bytes_before": budget.used_bytes("kv"), "kept": kept}}
+                         "kv_bytes_before": budget.used_bytes("kv"), "kept": kept, "prewarmed": prewarmed}}
         self._txn = txn
         if kept:  # same instance before and after: shard, pool and groups stay; it may receive moved KV
             return txn["stats"]

@@ -45,11 +45,14 @@ class Driver:
         self.done: dict[str, list[int]] = {}
         self.first_token_during_exchange: set[str] = set()
         self.seen: set[str] = set()
+        self.num_outputs = 0
 
     def step(self, n=1):
         for _ in range(n):
             exchanging = self.dep.overload.exchange is not None
-            for out in self.dep.step():
+            outputs = self.dep.step()
+            self.num_outputs += len(outputs)
+            for out in outputs:
                 if out.request_id not in self.seen and out.outputs[0].token_ids:
                     self.seen.add(out.request_id)
                     if exchanging:
@@ -177,6 +180,35 @@ def test_failed_drop_rolls_back_at_every_stage_and_serves_on(drop_checkpoint, re
         assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
 
 
+def test_restore_loads_the_layers_beside_the_steps_then_commits(drop_checkpoint, reference):
+    """The arbiter's restore after a drop: free KV blocks make room, every worker loads its missing layers while the
+    pipeline serves on, and the reshape that commits finds them in place (it loads nothing itself)."""
+    ref, tokenizer = reference
+    prompts = mixed_prompts(tokenizer, 6, 8, 40, seed=37)
+    with _model(drop_checkpoint) as model:
+        dep = model.deployment
+        control = dep.overload
+        run, ids = _started(dep, prompts)
+        assert model.drop() is not None
+        dep.settle_exchange()
+        run.step(2)
+        assert control.begin_restore() and control.prewarm is not None
+        given = control.prewarm.summary()["prewarm_kv_blocks_given"]
+        assert given > 0 and str(dep.topology).startswith("[1x2")   # the pipeline serves while the layers load
+        outputs_before = run.num_outputs
+        while control.prewarm is not None:
+            run.step()
+        assert run.num_outputs > outputs_before and str(dep.topology) == "[1,1]"
+        entry = [h for h in control.history if h["event"] == "restore"][-1]
+        assert entry["outcome"] == "committed" and entry["prewarm_kv_blocks_given"] == given
+        stats = dep.reshapes[-1].worker_stats
+        assert all(s["prewarmed"]["bytes"] > 0 and s["preload"]["bytes"] == 0 for s in stats), stats
+        run.until(ids)
+        assert dep.stats()["num_preemptions"] == 0
+    for rid, prompt in zip(ids, prompts):
+        assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
+
+
 @pytest.mark.stress
 def test_member_killed_mid_exchange_is_restored_from_host_store(drop_checkpoint, reference):
     ref, tokenizer = reference
@@ -207,7 +239,8 @@ def test_overload_mode_drop_acts_and_restores_on_its_own(drop_checkpoint, refere
         run.until(ids)
         for _ in range(8):   # idle steps: the low load holds, the layers come back
             run.step()
-        events = [(h["event"], h["outcome"]) for h in model.overload_state()["history"] if h["event"] != "exchange_done"]
+        events = [(h["event"], h["outcome"]) for h in model.overload_state()["history"]
+                  if h["event"] != "exchange_done"]
         assert events == [("drop", "committed"), ("restore", "committed")], events
         assert str(dep.topology) == "[1,1]"
         metrics = dep.metrics.registry.get_sample_value
