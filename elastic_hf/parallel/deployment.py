@@ -46,6 +46,8 @@ from elastic_hf.units import ceil_div
 
 log = logging.getLogger(__name__)
 
+PEER_GRACE_S = 10.0   # recover(): a dead worker's peers still blocked on it after this are ended (gloo waits 120 s)
+
 SCALE_DOWN_BACKOFF_STEPS = 16  # steps to wait after a scale-down that did not fit before trying again
 MAX_DEFAULT_MODEL_LEN = 8192
 
@@ -358,6 +360,9 @@ class Deployment:
         dead = self.pool.check_health()
         if not dead:
             return []
+        peers = sorted({w for i in self.instances if set(i.workers) & set(dead) for w in i.workers} - set(dead))
+        if self.pool.end_blocked(peers, PEER_GRACE_S):
+            dead = self.pool.check_health()
         for inst in self.instances:   # steps in flight on a lost worker did not happen; the others' finish
             if any(w in dead for w in inst.workers):
                 inst.engine.batches.discard()

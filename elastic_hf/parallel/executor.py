@@ -130,6 +130,13 @@ class Executor(ABC):
             raise call.outcome
         return call.outcome
 
+    def end_blocked(self, workers: Iterable[int], grace_s: float) -> list[int]:
+        """Workers among `workers` (the peers of a dead worker) whose calls in flight are not answered within
+        `grace_s` are ended: they are blocked in a transfer with the dead peer, which gloo would fail only after its
+        collective timeout. Returns them (recovery replaces them like the dead). This default has no calls in
+        flight to wait for."""
+        return []
+
     @property
     def overlaps_calls(self) -> bool:
         """Do calls in flight overlap with the caller's work (worker processes), or does submit_rpc run them?"""

@@ -258,6 +258,18 @@ class MultiprocessExecutor(Executor):
             call.errors.append(WorkerError(w, call.method, reason))
         self._in_flight[w].clear()
 
+    def end_blocked(self, workers: Iterable[int], grace_s: float) -> list[int]:
+        ended = []
+        deadline = time.monotonic() + grace_s
+        for w in workers:
+            while self._in_flight[w]:
+                if not self._conns[w].poll(max(0.0, deadline - time.monotonic())):
+                    self.kill(w, f"blocked on a dead peer for {grace_s:.0f} s: ended, to be replaced")
+                    ended.append(w)
+                    break
+                self._answer_next(w)
+        return ended
+
     def _settle(self, workers: Iterable[int]) -> None:
         """Collect every answer still owed by `workers` into its call, so the next answer on a pipe is the next
         call's."""
