@@ -32,15 +32,14 @@ class ExchangeStats:
 
 
 class KVExchange:
-    """One in-flight exchange over `workers` (every worker of the changed instances) for `num_layers` model layers.
+    """One in-flight exchange over `workers` (every worker of the changed instances), last layer first.
     `instances`: the serving instances whose engines hold parked requests and whose KV managers grow when the
     exchange ends."""
 
-    def __init__(self, pool, workers: list[int], instances: list, num_layers: int, cpu_share: float, metrics=None):
+    def __init__(self, pool, workers: list[int], instances: list, cpu_share: float, metrics=None):
         self.pool = pool
         self.workers = workers
         self.instances = instances
-        self.num_layers = num_layers
         self.metrics = metrics
         self.done = False
         self.reports: dict[int, dict] = {}   # the latest progress of each worker

@@ -223,8 +223,7 @@ class OverloadControl:
                          | {w for idx, ws in enumerate(plan.new.instances()) if idx not in plan.kept for w in ws})
         touched = [inst for idx, inst in enumerate(dep.instances)
                    if idx not in plan.kept or inst.engine.scheduler.exchanging]
-        self.exchange = KVExchange(dep.pool, workers, touched, dep.num_layers, self.policy.exchange_cpu_share,
-                                   self.metrics)
+        self.exchange = KVExchange(dep.pool, workers, touched, self.policy.exchange_cpu_share, self.metrics)
         if not plan.transfers:   # no running request moved: only the old pools to close
             self.settle_exchange()
 

@@ -24,9 +24,8 @@ SPARE_BLOCKS = 2        # blocks share pages at their ends: a couple more than t
 
 
 class RestorePrewarm:
-    def __init__(self, deployment, target: Topology, shrunk: list[tuple[object, int]], loading: list[int]):
+    def __init__(self, deployment, shrunk: list[tuple[object, int]], loading: list[int]):
         self.dep = deployment
-        self.target = target
         self.workers = list(range(deployment.config.num_workers))
         self.shrunk = shrunk                 # (KV manager, blocks given back) per instance
         self.loading = loading               # the workers that load layers
@@ -63,7 +62,7 @@ class RestorePrewarm:
             return None
         log.info("restore prewarm: loading the layers of %s beside the steps (%d KV blocks given back)", target,
                  sum(n for _, n in shrunk))
-        return cls(deployment, target, shrunk, loading)
+        return cls(deployment, shrunk, loading)
 
     def note(self, worker: int, report: dict | None) -> None:
         """A worker's load state as its pipeline step returned it (None: a step that ended before the load began,
