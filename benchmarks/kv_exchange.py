@@ -19,12 +19,15 @@ requests, same step mix), the queued requests' time to first token from the drop
 
 Then each variant restores [1,1] with every request still running and reports the restore reshape's time and the
 requests' longest gap between two tokens across it over the steady step time before it (a request's TPOT across a
-restore, in steps): the overlapped variants restore as the arbiter does (layers loaded beside the steps first,
-restore_prewarm.py), control and blocking as an operator's blocking restore.
+restore, in steps): the overlapped variants restore as the arbiter does (layers loaded and the running requests'
+full KV blocks copied beside the steps first: restore_prewarm.py, restore_precopy.py), control and blocking as an
+operator's blocking restore.
 
 RESULT lines: kv_exchange_step_overhead (overlapped at the first share: step time during the exchange / control),
 kv_exchange_queued_ttft_gain (blocking / overlapped), kv_exchange_running_stall_ratio (overlapped / blocking),
-restore_gap_over_step_prewarm, restore_gap_over_step_blocking."""
+restore_gap_over_step_prewarm, restore_gap_over_step_blocking, restore_tpot_p99_over_steady_prewarm,
+restore_tpot_p99_over_steady_blocking (P99 over the running requests of their TPOT across the restore over their
+steady TPOT before it; see measure_restore)."""
 from __future__ import annotations
 
 import argparse
@@ -34,12 +37,16 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description, wikitext_prompts  # noqa: E402
 from regime import median_spread  # noqa: E402
+
+STEADY_WINDOW = 16   # tokens before the restore a request's steady TPOT is taken over
+TPOT_WINDOW = 32     # tokens from the restore's start its TPOT across the restore is taken over
 
 
 def run_variant(dep, variant: str, running_prompts, queued_prompts, steps: int) -> dict:
@@ -72,7 +79,7 @@ def run_variant(dep, variant: str, running_prompts, queued_prompts, steps: int) 
     drop_s = time.perf_counter() - t_drop
     if report is None:
         raise RuntimeError(f"{variant}: the drop did not commit: {overload.history[-1]}")
-    step_s, in_flight, first_token, resumed, seen = [], [], {}, {}, {}
+    step_s, in_flight, first_token, resumed, seen = [], [], {}, {}, {}   # seen: request -> its token times
     # --steps steps, and on until every exchanged request has its next token (or 10x as many)
     while len(step_s) < steps or (len(resumed) < len(running) and len(step_s) < 10 * steps):
         exchanging = overload.exchange is not None
@@ -86,7 +93,7 @@ def run_variant(dep, variant: str, running_prompts, queued_prompts, steps: int) 
                 first_token.setdefault(out.request_id, now)
             elif out.request_id in last_token:
                 resumed.setdefault(out.request_id, now)
-            seen[out.request_id] = now
+            seen.setdefault(out.request_id, []).append(now)
     dep.settle_exchange()   # not finished within --steps: the rest before the restore is timed
     exchange = next((h for h in overload.history[position:] if h["event"] == "exchange_done"), None)
     restore = measure_restore(dep, seen, step_s[-8:], prewarm=variant.startswith("overlapped"))
@@ -103,35 +110,51 @@ def run_variant(dep, variant: str, running_prompts, queued_prompts, steps: int) 
             if running and resumed else None}
 
 
-def measure_restore(dep, seen: dict[str, float], steady_steps: list[float], prewarm: bool) -> dict:
+def measure_restore(dep, seen: dict[str, list[float]], steady_steps: list[float], prewarm: bool) -> dict:
     """Restore [1,1] with every request still running and measure each request's longest gap between two tokens
-    from the restore's start to its first token after the commit, against the steady step time just before.
-    prewarm: the arbiter's restore (the layers load beside the steps, then the reshape commits, restore_prewarm.py);
-    else the operator's blocking one (layers and KV inside one reshape)."""
+    from the restore's start to its first token after the commit, against the steady step time just before, and
+    its TPOT across the restore: the mean time per token over its first TPOT_WINDOW tokens from the restore's start
+    (the prewarm, the KV pre-copy, the commit and the steps after it) over its TPOT on its last STEADY_WINDOW tokens
+    before. prewarm: the arbiter's restore (layers loaded, then the running requests' full KV blocks copied beside
+    the steps, then the reshape commits: restore_prewarm.py, restore_precopy.py); else the operator's blocking one
+    (layers and all the KV inside one reshape)."""
     overload = dep.overload
+    for _ in range(400):   # every request's steady TPOT on the pipeline first
+        if all(len(ts) > STEADY_WINDOW for ts in seen.values()):
+            break
+        for out in dep.step():
+            if out.request_id in seen:
+                seen[out.request_id].append(time.perf_counter())
     t0 = time.perf_counter()
     if prewarm:
         if not overload.begin_restore():
             raise RuntimeError(f"the restore did not start: {overload.history[-1]}")
     elif overload.restore() is None:
         raise RuntimeError(f"the restore did not commit: {overload.history[-1]}")
-    last, gap, after = dict(seen), dict.fromkeys(seen, 0.0), set()
-    for _ in range(200):
+    steady = {r: (ts[-1] - ts[-1 - STEADY_WINDOW]) / STEADY_WINDOW for r, ts in seen.items()
+              if len(ts) > STEADY_WINDOW}
+    last, gap, after = {r: ts[-1] for r, ts in seen.items()}, dict.fromkeys(seen, 0.0), set()
+    start, since = dict(last), {r: [] for r in seen}
+    for _ in range(600):
         committed = dep.topology == overload.base_topology
         for out in dep.step():
             now = time.perf_counter()
             if out.request_id in last:
                 gap[out.request_id] = max(gap[out.request_id], now - last[out.request_id])
                 last[out.request_id] = now
+                since[out.request_id].append(now)
                 if committed:
                     after.add(out.request_id)
-        if len(after) >= len(seen):
+        if len(after) >= len(seen) and all(len(since[r]) >= TPOT_WINDOW for r in steady):
             break
     restore_s = time.perf_counter() - t0
     entry = [h for h in overload.history if h["event"] == "restore"][-1]
+    across = [(since[r][TPOT_WINDOW - 1] - start[r]) / TPOT_WINDOW / steady[r] for r in steady
+              if len(since[r]) >= TPOT_WINDOW]
     return {"restore_s": entry["seconds"], "restore_total_s": restore_s,
             "restore_gap_s": statistics.median(gap.values()),
-            "steady_step_s": statistics.median(steady_steps)}
+            "steady_step_s": statistics.median(steady_steps), "precopy_blocks": entry.get("precopy_blocks", 0),
+            "tpot_p99_ratio": float(np.percentile(across, 99)) if across else float("nan")}
 
 
 def main(argv=None) -> int:
@@ -181,7 +204,8 @@ def main(argv=None) -> int:
           f"{args.queued_prompt_tokens}; {args.steps} steps after the drop; medians of {args.runs} alternating "
           f"runs [min-max]")
     print(f"{'variant':<16}{'drop s':>22}{'exchange wall s':>24}{'steps spanned':>16}{'step overhead':>22}"
-          f"{'queued TTFT s':>24}{'running stall s':>24}{'MiB sent':>10}{'restore reshape s':>22}{'gap/step':>20}")
+          f"{'queued TTFT s':>24}{'running stall s':>24}{'MiB sent':>10}{'restore reshape s':>22}{'gap/step':>20}"
+          f"{'TPOT P99/steady':>20}{'pre-copied':>11}")
     summary: dict[str, dict] = {}
     for variant, runs in results.items():
         ratios = [overhead(r, c) for r, c in zip(runs, control)] if variant.startswith("overlapped") else []
@@ -194,7 +218,9 @@ def main(argv=None) -> int:
               f"{median_spread(ratios, 3) if ratios else '-':>22}{median_spread(ttft, 3) if ttft else '-':>24}"
               f"{median_spread(stall, 3) if stall else '-':>24}{statistics.median(r['sent_mib'] for r in runs):>10.1f}"
               f"{median_spread([r['restore_s'] for r in runs], 3):>22}"
-              f"{median_spread([r['restore_gap_s'] / r['steady_step_s'] for r in runs], 2):>20}")
+              f"{median_spread([r['restore_gap_s'] / r['steady_step_s'] for r in runs], 2):>20}"
+              f"{median_spread([r['tpot_p99_ratio'] for r in runs], 3):>20}"
+              f"{statistics.median(r['precopy_blocks'] for r in runs):>11g}")
     first = variants[1]
     blocking = summary["blocking"]
     print(f"RESULT kv_exchange_step_overhead {statistics.median(summary[first]['overhead']):.4g}")
@@ -206,6 +232,8 @@ def main(argv=None) -> int:
         gaps = [r["restore_gap_s"] / r["steady_step_s"] for v, runs in results.items() for r in runs
                 if v.startswith("overlapped") == prewarm]
         print(f"RESULT restore_gap_over_step_{name} {statistics.median(gaps):.4g}")
+        tpot = [r["tpot_p99_ratio"] for v, runs in results.items() for r in runs if v.startswith("overlapped") == prewarm]
+        print(f"RESULT restore_tpot_p99_over_steady_{name} {statistics.median(tpot):.4g}")
     return 0
 
 

@@ -185,8 +185,10 @@ class OverloadControl:
         store while the KV is redistributed (KunServe §4.4); layers a prewarm loaded already are used as they are."""
         if self.dep.topology == self.base_topology:
             return None
-        extra, self.prewarm = (self.prewarm.summary() if self.prewarm is not None else {}), None
-        return self._reshape("restore", self.base_topology, extra=extra)
+        prewarm, self.prewarm = self.prewarm, None
+        extra = prewarm.summary() if prewarm is not None else {}
+        return self._reshape("restore", self.base_topology, extra=extra,
+                             precopy=prewarm.precopy if prewarm is not None else None)
 
     def begin_restore(self) -> bool:
         """The arbiter's restore. After a drop the layers first load beside the steps (restore_prewarm.py) and the
@@ -196,7 +198,7 @@ class OverloadControl:
             return True
         dropped = all(i.shape.tp == 1 for i in self.dep.instances) and any(i.shape.pp > 1 for i in self.dep.instances)
         if self.prewarm is None and self.exchange is None and dropped:
-            self.prewarm = RestorePrewarm.start(self.dep, self.base_topology)
+            self.prewarm = RestorePrewarm.start(self.dep, self.base_topology, self.policy.exchange_cpu_share)
             if self.prewarm is not None:
                 return True
         return self.restore() is not None
@@ -233,6 +235,8 @@ class OverloadControl:
         if self.exchange is not None:
             self.exchange.abandon([w for w in self.exchange.workers if w not in dead])
             self.exchange = None
+        if self.prewarm is not None:
+            self.prewarm.abandon_copy([w for w in self.prewarm.workers if w not in dead])
 
     # ------------------------------------------------------------------ helpers
     def layer_bytes_per_token(self) -> int:
@@ -255,7 +259,8 @@ class OverloadControl:
             layer_cost, head_cost = self.layer_bytes / num_layers, self.head_bytes
         return InstanceShape(1, n, stage_split(num_layers, n, layer_cost, head_cost))
 
-    def _reshape(self, kind: str, target, defer_kv: bool = False, extra: dict | None = None) -> ReshapeReport | None:
+    def _reshape(self, kind: str, target, defer_kv: bool = False, extra: dict | None = None,
+                 precopy=None) -> ReshapeReport | None:
         if self.prewarm is not None:   # a restore's layers were loading: another reshape comes first
             self.prewarm.cancel()
             self.prewarm = None
@@ -264,7 +269,7 @@ class OverloadControl:
         # the reshape's own entry goes before whatever the exchange logged meanwhile, in commit order.
         position = len(self.history)
         try:
-            report = run_reshape(self.dep, target, defer_kv=defer_kv)
+            report = run_reshape(self.dep, target, defer_kv=defer_kv, precopy=precopy)
         except (ValueError, ReshapeAborted) as exc:
             outcome = "rolled_back" if isinstance(exc, ReshapeAborted) else "refused"
             if kind == "drop":

@@ -56,9 +56,47 @@ class RequestPlacement:
             kv.free(block_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class PinnedSeq:
+    """A running sequence whose first blocks a restore copied ahead of its commit (restore_precopy.py)."""
+    dst: int                      # new instance
+    copied: tuple[int, ...]       # its old block ids whose KV was copied (full blocks: never written again)
+    new_ids: tuple[int, ...]      # its blocks on the new instance's KV manager (the copied ones first)
+    num_preemptions: int          # a preemption since invalidates the copy
+
+
+@dataclass(slots=True)
+class PreCopy:
+    """The new instances' KV managers of a restore planned ahead, with the sequences pinned to them."""
+    kv_managers: dict[int, KVManager]
+    pinned: dict[int, PinnedSeq]
+
+    def discard(self, seq_id: int) -> None:
+        pin = self.pinned.pop(seq_id, None)
+        if pin is not None:
+            kv = self.kv_managers[pin.dst]
+            kv.free(list(pin.new_ids))
+
+    def pins_of(self, request: Request) -> dict[int, PinnedSeq] | None:
+        """The pins of a request whose every sequence kept the blocks copied for it (else they are dropped and it
+        is placed like any other)."""
+        pins = {s.seq_id: self.pinned[s.seq_id] for s in request.seqs if s.seq_id in self.pinned}
+        valid = pins and len({p.dst for p in pins.values()}) == 1 and all(
+            s.seq_id in pins and s.num_preemptions == pins[s.seq_id].num_preemptions
+            and len(s.block_ids) >= len(pins[s.seq_id].new_ids)
+            and tuple(s.block_ids[:len(pins[s.seq_id].copied)]) == pins[s.seq_id].copied
+            for s in request.seqs if s.block_ids)
+        if not valid:
+            for seq_id in pins:
+                self.discard(seq_id)
+            return None
+        return pins
+
+
 def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tuple], int],
                  num_kv_heads: int, num_layers: int, weights_source: str, allow_preemption: bool = False,
-                 footprints: list[dict] | None = None) -> tuple[ReshapePlan, RequestPlacement]:
+                 footprints: list[dict] | None = None,
+                 precopy: PreCopy | None = None) -> tuple[ReshapePlan, RequestPlacement]:
     """Instances whose workers and layout (TP x PP, layer split) do not change keep their engine, pool and block
     ids (and may receive requests, e.g. from a worker going to standby). Every request of a changing instance goes
     to a new instance that shares a worker with it (local heads stay local) or, failing that, to any;
@@ -68,11 +106,14 @@ def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tu
     Worker.reshape_footprint: until the commit point a worker holds its old live KV, the new KV and the new
     weights at once). A request that breaks either is preempted by recompute when allow_preemption (ReMP §3.5.5:
     it goes over without its KV and is prefilled again; youngest first; reported in placement.preempted), else
-    ValueError (nothing has changed then). A request no new instance could ever hold is always a ValueError."""
+    ValueError (nothing has changed then). A request no new instance could ever hold is always a ValueError.
+
+    precopy: a restore whose full blocks were copied beside the steps: its KV managers are the new instances',
+    its still valid sequences go where they were copied to, and the plan's transfers move only the rest."""
     forced: set[str] = set()
     while True:
         plan, placement = _place(instances, old, new, capacity, num_kv_heads, num_layers, weights_source,
-                                 allow_preemption, forced)
+                                 allow_preemption, forced, precopy)
         over = transition_overflow(plan, footprints) if footprints is not None else []
         if not over:
             return plan, placement
@@ -94,24 +135,38 @@ def _changing_requests(instances, kept: dict[int, int]) -> list[tuple[int, Reque
 
 
 def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int, num_layers: int,
-           weights_source: str, allow_preemption: bool, forced: set[str]) -> tuple[ReshapePlan, RequestPlacement]:
+           weights_source: str, allow_preemption: bool, forced: set[str],
+           precopy: PreCopy | None = None) -> tuple[ReshapePlan, RequestPlacement]:
     new_instances = new.instances()
     new_keys, old_keys = new.instance_keys(), old.instance_keys()
     kept = {new_idx: old_keys.index(key) for new_idx, key in enumerate(new_keys) if key in old_keys}
     changing = [idx for idx in range(len(new_instances)) if idx not in kept]
     block_size = instances[0].engine.scheduler.block_size
+    made = precopy.kv_managers if precopy is not None else {}
     kv_managers = {idx: (instances[kept[idx]].engine.scheduler.kv if idx in kept
-                         else KVManager(capacity(new_keys[idx]), block_size)) for idx in range(len(new_instances))}
+                         else made[idx] if idx in made else KVManager(capacity(new_keys[idx]), block_size))
+                   for idx in range(len(new_instances))}
     num_total = {idx: kv_managers[idx].num_total for idx in kv_managers}
     placement = RequestPlacement({idx: [] for idx in range(len(new_instances))}, kv_managers, [])
     moves: list[BlockMove] = []
+    to_move: list[BlockMove] = []   # what the transfers carry: moves less the blocks a pre-copy moved already
     seq_moves: dict[int, tuple[int, int]] = {}
+    changing_requests = _changing_requests(instances, kept)
+    if precopy is not None:   # sequences that ended since the copy give their new blocks back
+        alive = {s.seq_id for _, r in changing_requests for s in r.seqs}
+        for seq_id in [i for i in precopy.pinned if i not in alive]:
+            precopy.discard(seq_id)
     try:
-        for old_idx, request in _changing_requests(instances, kept):
+        for old_idx, request in changing_requests:
             old_workers = set(instances[old_idx].workers)
-            need = sum(len(s.block_ids) for s in request.seqs)
+            pins = precopy.pins_of(request) if precopy is not None else None
+            need = sum(len(s.block_ids) - (len(pins[s.seq_id].new_ids) if s.seq_id in (pins or {}) else 0)
+                       for s in request.seqs)
             free = [idx for idx in kv_managers if kv_managers[idx].num_free >= need]
             local = [idx for idx in free if old_workers & set(new_instances[idx])]
+            if pins is not None:
+                pinned_to = next(iter(pins.values())).dst
+                local = free = [pinned_to] if pinned_to in free else []
             candidates = [] if request.request_id in forced else (local or free)
             preempt = not candidates and allow_preemption
             if preempt:
@@ -124,21 +179,35 @@ def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int,
             placement.requests[dst].append(request)
             if preempt:
                 placement.preempted.append(request.request_id)
+            if preempt and pins is not None:
+                for seq_id in pins:
+                    precopy.discard(seq_id)
+                pins = None
             for seq in request.seqs:
                 seq_moves[seq.seq_id] = (old_idx, dst)
                 if seq.block_ids and not preempt:
-                    new_blocks = kv_managers[dst].allocate(len(seq.block_ids))
-                    if dst in kept:
-                        placement.taken_on_kept.append((kv_managers[dst], new_blocks))
+                    pin = (pins or {}).get(seq.seq_id)
+                    reused = list(pin.new_ids) if pin is not None else []
+                    taken = kv_managers[dst].allocate(len(seq.block_ids) - len(reused))
+                    if dst in kept or dst in made:   # a failed attempt gives them back (a pin's stay pinned)
+                        placement.taken_on_kept.append((kv_managers[dst], taken))
+                    new_blocks = reused + taken
                     moves.append(BlockMove(old_idx, dst, tuple(seq.block_ids), tuple(new_blocks)))
+                    done = len(pin.copied) if pin is not None else 0
+                    if done < len(new_blocks):
+                        to_move.append(BlockMove(old_idx, dst, tuple(seq.block_ids[done:]), tuple(new_blocks[done:])))
         # The old pools keep the live blocks of the requests that move until the commit point (rollback needs
         # them); a preempted request's blocks are given back at once.
         live_old = {old_idx: [b for s in inst.engine.scheduler.running if s.request_id not in placement.preempted
                               for b in s.block_ids] for old_idx, inst in enumerate(instances)}
-        transfers = build_migration_plan(moves, old, new, num_kv_heads, num_layers)
-        check_plan(moves, transfers, old, new, num_kv_heads, num_layers)   # ReMP §3.5.5, before anything moves
-        plan = ReshapePlan(old, new, moves, transfers, live_old, {idx: kv_managers[idx].num_used for idx in changing},
-                           num_total, seq_moves, kept, weights_source)
+        transfers = build_migration_plan(to_move, old, new, num_kv_heads, num_layers)
+        check_plan(to_move, transfers, old, new, num_kv_heads, num_layers)   # ReMP §3.5.5, before anything moves
+        # A new pool attaches blocks 0 .. n-1: n covers the highest block id a move uses (a pre-copy's managers may
+        # have given some back in between; a fresh manager's ids are 0 .. used-1).
+        live_new = {idx: 1 + max((b for m in moves if m.dst_instance == idx for b in m.dst_blocks), default=-1)
+                    for idx in changing}
+        plan = ReshapePlan(old, new, moves, transfers, live_old, live_new, num_total, seq_moves, kept,
+                           weights_source, precopied=precopy is not None)
     except BaseException:
         placement.release_taken()
         raise
@@ -202,12 +271,13 @@ def restore_full_precision(morph_managers: dict, workers: list[int]) -> None:
 
 
 def run_reshape(deployment, target, weights_source: str | None = None, allow_preemption: bool = False,
-                overlap_weights: bool = True, defer_kv: bool = False) -> ReshapeReport:
+                overlap_weights: bool = True, defer_kv: bool = False, precopy: PreCopy | None = None) -> ReshapeReport:
     """Change the deployment's topology in place, e.g. [1, 1] -> [2] -> [1, 1]. Call between steps (the
     deployment's driver thread), which is the quiesce point. Raises ValueError for a topology that is not a
     candidate or a plan that does not fit, ReshapeAborted when a worker fails before the commit point; the old
     topology is then still serving. defer_kv: move the KV after the commit point, beside the steps (a parameter
-    drop, parallel/kv_exchange.py); the deployment starts the exchange in `resume`."""
+    drop, parallel/kv_exchange.py); the deployment starts the exchange in `resume`. precopy: a restore whose full KV
+    blocks the workers copied beside the steps (restore_precopy.py)."""
     new = deployment.check_topology(target)
     deployment.drain_batches()     # no step in flight: the plan reads every sequence's computed tokens and blocks
     deployment.settle_exchange()   # a previous drop's exchange finishes before anything else moves
@@ -225,7 +295,7 @@ def run_reshape(deployment, target, weights_source: str | None = None, allow_pre
     workers = list(range(deployment.config.num_workers))
     footprints = pool.call_many(workers, "reshape_footprint", old, new)
     plan, placement = plan_reshape(deployment.instances, old, new, deployment.capacity, deployment.num_kv_heads,
-                                   deployment.num_layers, weights_source, allow_preemption, footprints)
+                                   deployment.num_layers, weights_source, allow_preemption, footprints, precopy)
     plan.overlap_weights = overlap_weights
     plan.defer_kv = defer_kv
     try:

@@ -28,6 +28,9 @@ class ReshapePlan:
     # A parameter drop (KunServe §4.2): the KV moves after the commit point, beside the steps, while the
     # new instance already serves queued requests (parallel/kv_exchange.py); the old pools live until then.
     defer_kv: bool = False
+    # A restore whose full KV blocks were copied beside the steps (restore_precopy.py): `transfers` move only the
+    # blocks written since, into the pools the workers made for the copy.
+    precopied: bool = False
 
     def is_kept(self, worker: int) -> bool:
         """True when the worker's instance has the same workers before and after: nothing to do there."""

@@ -59,19 +59,22 @@ class KVExchangeParticipant:
         self._progress = {"layers": 0, "seconds": 0.0, "paced_seconds": 0.0, "sent_bytes": 0, "received_bytes": 0,
                           "local_bytes": 0}
         self._error: str | None = None
+        self._close_source = True
 
     @property
     def in_flight(self) -> bool:
         return self._transfers is not None
 
     def begin(self, transfers: list[KVTransfer], src_pool, src_head_start: int, dst_pool,
-              dst_head_start: int) -> None:
+              dst_head_start: int, close_source: bool = True) -> None:
         """Called at the commit point of a deferred-KV plan: src_pool is the old pool (or the kept pool itself),
-        dst_pool the pool the worker now serves from. Nothing moves before `start`."""
+        dst_pool the pool the worker now serves from. Nothing moves before `start`. close_source=False: src_pool
+        still serves (a restore's KV copied ahead of its commit, restore_prewarm.py) and outlives the exchange."""
         if self._transfers is not None:
             raise RuntimeError(f"worker {self.worker.me} already has a KV exchange in flight")
         self._transfers = [t for t in transfers if self.worker.me in (t.src_worker, t.dst_worker)]
         self._src, self._src_head, self._dst, self._dst_head = src_pool, src_head_start, dst_pool, dst_head_start
+        self._close_source = close_source
 
     def arm_fault(self, after_layers: int | None) -> None:
         """End this process after `after_layers` more layers of the exchange (a failure drill: a group member dies
@@ -181,7 +184,7 @@ class KVExchangeParticipant:
         self._release_source()
 
     def _release_source(self) -> None:
-        if self._src is not None and self._src is not self._dst:
+        if self._src is not None and self._src is not self._dst and self._close_source:
             self._src.arena.close()
         self._transfers = None
         self._started = False

@@ -5,6 +5,7 @@ The control plane runs each phase on every worker and starts the next only when 
 in a transfer on a peer that already failed. Reached as "reshape.<phase>" through the worker's RPC."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -14,6 +15,8 @@ from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.parallel.kv_migration import migrate_kv
 from elastic_hf.parallel.reshape_plan import ReshapePlan
 from elastic_hf.parallel.shard_transform import MLP_KINDS, gather_weights, weight_gather_plan
+
+log = logging.getLogger(__name__)
 
 RESHAPE_STAGES = ("weights_first", "kv_trim", "kv_migrate", "weights_last", "prepared")  # before the commit point
 FAULT_STAGES = RESHAPE_STAGES + ("committed",)
@@ -27,6 +30,7 @@ class ReshapeParticipant:
         self._fault: tuple[str, bool] | None = None
         self._prewarm: _Preload | None = None
         self._prewarm_target = None   # the topology whose layers it loads
+        self._precopy: tuple | None = None   # (topology, pool): a restore's KV copied ahead of its commit
 
     @property
     def _me(self) -> int:
@@ -70,14 +74,67 @@ class ReshapeParticipant:
         return True
 
     def prewarm_report(self) -> dict | None:
-        """None without a prewarm; else whether its load is done (returned with every pipeline step's stats)."""
-        if self._prewarm is None:
+        """None without a prewarm; else whether its load is done and, once a KV pre-copy started, whether that is
+        (returned with every pipeline step's stats)."""
+        if self._prewarm is None and self._precopy is None:
             return None
-        return {"done": not self._prewarm.thread.is_alive()}
+        copy = self.worker.exchange.report() if self._precopy is not None else None
+        return {"done": self._prewarm is None or not self._prewarm.thread.is_alive(),
+                "copied": None if copy is None else copy["done"], "copy_error": copy and copy["error"]}
 
-    def drop_prewarm(self) -> dict:
-        """The restore did not happen: wait for the load, then give back every layer outside this worker's current
-        range. Returns the bytes released."""
+    def precopy(self, topology, num_blocks: dict[int, int], transfers, cpu_share: float) -> dict:
+        """Start copying, beside the steps, the full KV blocks of the running requests into the pool this worker
+        serves from in `topology` (a restore's, made here with num_blocks[worker] blocks). A full block is never written
+        again, so the restore's commit moves only the blocks that filled or began since (migrate_kv). The
+        exchange thread (worker_exchange.py) copies from the pool that keeps serving, over its own group, held to
+        `cpu_share` of a core while steps run."""
+        worker = self.worker
+        if self._precopy is not None or self._txn is not None or worker.exchange is None or worker.exchange.in_flight:
+            raise RuntimeError(f"worker {self._me} cannot start a KV pre-copy now")
+        new = worker.groups.for_topology(topology, self._me)
+        old = worker.groups.for_topology(worker.topology, self._me)
+        if new is None or old is None:
+            raise RuntimeError(f"worker {self._me}: a KV pre-copy is for workers that serve before and after")
+        num_kv_heads = worker.loaded.num_kv_heads
+        pool = worker.instance.new_pool(new[1], new[2], num_blocks[self._me], worker.layer_range(topology))
+        self._precopy = (topology, pool)
+        worker.exchange.begin(transfers, worker.pool, head_range(num_kv_heads, old[1], old[2])[0], pool,
+                              head_range(num_kv_heads, new[1], new[2])[0], close_source=False)
+        worker.exchange.start(cpu_share)
+        return {"bytes": pool.num_blocks * pool.layout.block_bytes}
+
+    def _take_precopy(self, topology) -> KVPagePool | None:
+        """The pre-copied pool for `topology` once its copy is done (None: none); raises what the copy raised."""
+        if self._precopy is None or self._precopy[0] != topology:
+            return None
+        pool = self._precopy[1]
+        self._precopy = None
+        try:
+            self.worker.exchange.finish()   # the rest at full speed; the serving pool stays open
+        except BaseException:
+            pool.arena.close()
+            raise
+        return pool
+
+    def drop_precopy(self, abort: bool = False) -> None:
+        """The pre-copied pool goes, the serving one stays (abort: do not wait for a copy whose peer died)."""
+        if self._precopy is None:
+            return
+        pool, self._precopy = self._precopy[1], None
+        if abort:    # a peer of the copy died: waiting for the rest would wait on it
+            self.worker.exchange.abort()
+        else:
+            try:
+                self.worker.exchange.finish()
+            except RuntimeError as exc:
+                log.warning("worker %d: the cancelled KV pre-copy had failed: %s", self._me, exc)
+        pool.arena.close()
+
+    def drop_prewarm(self, abort: bool = False) -> dict:
+        """The restore did not happen: the KV pre-copy's pool goes (abort: a peer died, do not wait for the copy),
+        then wait for the load and give back every layer outside this worker's current range. Returns the bytes
+        released."""
+        self.drop_precopy(abort)
         if self._prewarm is None:
             return {"released_bytes": 0}
         self._prewarm.join(raise_error=False)
@@ -107,6 +164,8 @@ class ReshapeParticipant:
                 prewarmed, self._prewarm = self._prewarm.join(raise_error=False), None
             else:
                 prewarmed = self.drop_prewarm()   # another reshape: the layers it loaded go back first
+        if self._precopy is not None and self._precopy[0] != plan.new:
+            self.drop_precopy()
         budget = worker.budget
         txn = {"plan": plan, "old": old, "new": new, "trimmed": [], "new_pool": None, "kept": kept,
                "old_layers": old_layers, "new_layers": new_layers,
@@ -149,10 +208,16 @@ class ReshapeParticipant:
             txn["stats"]["kv"] = {**kv, "new_pool_live_bytes": 0, "peak_extra_bytes": kv["peak_staging_bytes"]}
             return kv
         kv_before = worker.budget.used_bytes("kv")
-        new_pool = None
+        new_pool = self._take_precopy(plan.new)
+        if plan.precopied and new is not None and new_pool is None:
+            raise RuntimeError(f"worker {self._me} has no pre-copied KV pool for {plan.new}; the plan moves only the "
+                               f"blocks written since the pre-copy")
         if new is not None:
-            new_pool = worker.instance.new_pool(new[1], new[2], plan.num_live_new_blocks[plan.new.role(self._me)[0]],
-                                                txn["new_layers"])
+            live = plan.num_live_new_blocks[plan.new.role(self._me)[0]]
+            if new_pool is None:
+                new_pool = worker.instance.new_pool(new[1], new[2], live, txn["new_layers"])
+            elif live > new_pool.num_blocks:
+                new_pool.attach_blocks(live - new_pool.num_blocks)
             txn["new_pool"] = new_pool
         old_h0 = head_range(num_kv_heads, old[1], old[2])[0] if old is not None else 0
         new_h0 = head_range(num_kv_heads, new[1], new[2])[0] if new is not None else 0

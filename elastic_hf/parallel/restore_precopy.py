@@ -1,0 +1,119 @@
+"""A restore's KV copied ahead of its commit, beside the steps (the second half of restore_prewarm.py).
+
+Once a restore's layers are loaded, the placement the restore would make now is planned (plan_reshape): every
+running request gets its new instance and its blocks on that instance's new KV manager. The blocks a sequence has
+filled (num_computed_tokens // block_size) are never written again, so their KV is copied now into pools the
+workers make for the restored layout, on each worker's exchange thread (worker_exchange.py, the serving pool stays
+open), held to the configured share of a core while steps run. The restore's commit then plans with the same KV
+managers (reshape.PreCopy): requests still valid keep their instance and blocks, and its transfers move only the
+blocks that filled or began since (a few per request), so its stop-the-world part no longer grows with the context
+of the running requests. The new pools' pages come from free KV blocks of the serving instances, like the layers';
+when they do not cover them, or the pipeline would be left with fewer free blocks than it has running sequences,
+nothing is copied and the commit moves everything, as before."""
+from __future__ import annotations
+
+import logging
+
+from elastic_hf.kv.migration_plan import BlockMove, build_migration_plan, check_plan
+from elastic_hf.parallel.reshape import PinnedSeq, PreCopy, plan_reshape
+from elastic_hf.units import ceil_div
+
+log = logging.getLogger(__name__)
+
+SPARE_BLOCKS = 2   # blocks share pages at their ends: a couple more than the bytes say
+
+
+def plan_precopy(dep, target) -> tuple[PreCopy, list[BlockMove], dict[int, int]] | None:
+    """The placement the restore to `target` would make now, pinned: (PreCopy, the full blocks' moves, blocks each
+    worker's new pool needs). None when the restore could not place the running requests now."""
+    old = dep.topology
+    try:
+        plan, placement = plan_reshape(dep.instances, old, target, dep.capacity, dep.num_kv_heads, dep.num_layers,
+                                       "host")
+    except ValueError as exc:
+        log.info("no restore KV pre-copy: %s", exc)
+        return None
+    new_ids: dict[tuple, list[list[int]]] = {}
+    for m in plan.moves:
+        new_ids.setdefault((m.src_instance, m.src_blocks), []).append(list(m.dst_blocks))
+    bs = dep.config.block_size
+    pinned: dict[int, PinnedSeq] = {}
+    copies: list[BlockMove] = []
+    for dst, requests in placement.requests.items():
+        for request in requests:
+            for seq in request.seqs:
+                if not seq.block_ids:
+                    continue
+                src = plan.seq_moves[seq.seq_id][0]
+                ids = new_ids[(src, tuple(seq.block_ids))].pop(0)
+                full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
+                pinned[seq.seq_id] = PinnedSeq(dst, tuple(seq.block_ids[:full]), tuple(ids), seq.num_preemptions)
+                if full:
+                    copies.append(BlockMove(src, dst, tuple(seq.block_ids[:full]), tuple(ids[:full])))
+    managers = {idx: kv for idx, kv in placement.kv_managers.items() if idx not in plan.kept}
+    pool_blocks = {w: plan.num_live_new_blocks[idx] for idx, workers in enumerate(target.instances())
+                   if idx in managers for w in workers}
+    return PreCopy(managers, pinned), copies, pool_blocks
+
+
+def start_precopy(dep, target, cpu_share: float) -> tuple[PreCopy, list[tuple[object, int]], int] | None:
+    """Plan the copy, give the serving KV managers' free blocks for the new pools, and start the copy on every
+    worker. Returns (PreCopy, the blocks given back per KV manager, blocks copied), or None with nothing changed."""
+    planned = plan_precopy(dep, target)
+    if planned is None:
+        return None
+    precopy, copies, pool_blocks = planned
+    if not copies:
+        return None
+    workers = list(range(dep.config.num_workers))
+    pool = dep.pool
+    footprints = pool.call_many(workers, "reshape_footprint", dep.topology, target)
+    reports = dep.memory_report()
+    need = {}
+    for w, fp, r in zip(workers, footprints, reports):
+        pages = ceil_div(pool_blocks.get(w, 0) * fp["new_block_bytes"], fp["page_size"]) + 1
+        need[w] = pages * fp["page_size"] - (r["free_bytes"] - r["headroom_bytes"])
+    shrunk: list[tuple[object, int]] = []
+    for inst in dep.instances:
+        blocks = max((ceil_div(need[w], reports[w]["kv_block_bytes"]) + SPARE_BLOCKS
+                      for w in inst.workers if need[w] > 0 and reports[w]["kv_block_bytes"]), default=0)
+        kv = inst.engine.scheduler.kv
+        # The pipeline keeps serving meanwhile: it keeps a free block for every sequence it runs
+        reserve = len(inst.engine.scheduler.running)
+        if blocks == 0:
+            continue
+        if kv.num_free - blocks < reserve:
+            log.info("no restore KV pre-copy: instance %s has %d free KV blocks, the copy needs %d and its %d "
+                     "running sequences one each", inst.workers, kv.num_free, blocks, reserve)
+            give_back(shrunk)
+            return None
+        shrunk.append((kv, len(kv.shrink(blocks))))
+    transfers = build_migration_plan(copies, dep.topology, target, dep.num_kv_heads, dep.num_layers)
+    check_plan(copies, transfers, dep.topology, target, dep.num_kv_heads, dep.num_layers)
+    try:
+        pool.call_many(workers, "reshape.precopy", target, pool_blocks, transfers, cpu_share)
+    except Exception as exc:   # noqa: BLE001 - a worker that could not make its pool: the commit moves it all
+        log.warning("restore KV pre-copy did not start: %s", exc)
+        abandon(dep, [w for w in workers if w in pool.check_health()])
+        give_back(shrunk)
+        return None
+    copied = sum(len(m.src_blocks) for m in copies)
+    log.info("restore KV pre-copy: %d full blocks of %d sequences copied beside the steps", copied,
+             len(precopy.pinned))
+    return precopy, shrunk, copied
+
+
+def abandon(dep, workers: list[int]) -> None:
+    """The copy stops where it is (a peer died, or it failed to start); its pools go."""
+    for w in workers:
+        try:
+            dep.pool.call(w, "reshape.drop_precopy", True)
+        except Exception as exc:   # noqa: BLE001 - best effort: recovery replaces what fails here
+            log.error("worker %d could not drop its KV pre-copy: %s", w, exc)
+
+
+def give_back(shrunk: list[tuple[object, int]]) -> None:
+    """The KV managers grow back by the blocks they gave."""
+    for kv, n in shrunk:
+        if n:
+            kv.grow(n)
