@@ -187,8 +187,13 @@ class OverloadControl:
             return None
         prewarm, self.prewarm = self.prewarm, None
         extra = prewarm.summary() if prewarm is not None else {}
-        return self._reshape("restore", self.base_topology, extra=extra,
-                             precopy=prewarm.precopy if prewarm is not None else None)
+        report = self._reshape("restore", self.base_topology, extra=extra,
+                               precopy=prewarm.precopy if prewarm is not None else None)
+        if report is None and prewarm is not None and self.dep.topology != self.base_topology:
+            # Refused or rolled back: the dropped layout serves on, the loaded layers and the KV copy go back (a
+            # rollback's workers released them already) and the KV managers grow by the blocks they gave.
+            prewarm.cancel()
+        return report
 
     def begin_restore(self) -> bool:
         """The arbiter's restore. After a drop the layers first load beside the steps (restore_prewarm.py) and the
@@ -204,12 +209,8 @@ class OverloadControl:
         return self.restore() is not None
 
     def _commit_restore(self) -> None:
-        prewarm = self.prewarm
         if self.restore() is None and self.dep.topology != self.base_topology:
-            # Refused or rolled back: the dropped layout serves on, the loaded layers go back (a rollback's workers
-            # released them already), the KV managers grow by the blocks they gave, and the drop stays active.
-            prewarm.cancel()
-            self.arbiter.active = "drop"
+            self.arbiter.active = "drop"   # refused or rolled back (restore() gave the prewarm back): still dropped
             self.metrics.set_active(self.arbiter.active)
 
     def settle_exchange(self) -> None:

@@ -80,6 +80,9 @@ class PreCopy:
     def pins_of(self, request: Request) -> dict[int, PinnedSeq] | None:
         """The pins of a request whose every sequence kept the blocks copied for it (else they are dropped and it
         is placed like any other)."""
+        for s in request.seqs:   # ended (a finished sibling) or preempted and waiting: nothing of it moves
+            if not s.block_ids:
+                self.discard(s.seq_id)
         pins = {s.seq_id: self.pinned[s.seq_id] for s in request.seqs if s.seq_id in self.pinned}
         valid = pins and len({p.dst for p in pins.values()}) == 1 and all(
             s.seq_id in pins and s.num_preemptions == pins[s.seq_id].num_preemptions

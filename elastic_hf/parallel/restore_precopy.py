@@ -33,6 +33,11 @@ def plan_precopy(dep, target) -> tuple[PreCopy, list[BlockMove], dict[int, int]]
     except ValueError as exc:
         log.info("no restore KV pre-copy: %s", exc)
         return None
+    if any(placement.requests[idx] for idx in plan.kept):
+        # A request would go to an instance that stays as it is (its own pool, serving): not copied ahead
+        placement.release_taken()
+        log.info("no restore KV pre-copy: requests would move to unchanged instances %s", sorted(plan.kept))
+        return None
     new_ids: dict[tuple, list[list[int]]] = {}
     for m in plan.moves:
         new_ids.setdefault((m.src_instance, m.src_blocks), []).append(list(m.dst_blocks))
@@ -56,9 +61,10 @@ def plan_precopy(dep, target) -> tuple[PreCopy, list[BlockMove], dict[int, int]]
     return PreCopy(managers, pinned), copies, pool_blocks
 
 
-def start_precopy(dep, target, cpu_share: float) -> tuple[PreCopy, list[tuple[object, int]], int] | None:
-    """Plan the copy, give the serving KV managers' free blocks for the new pools, and start the copy on every
-    worker. Returns (PreCopy, the blocks given back per KV manager, blocks copied), or None with nothing changed."""
+def start_precopy(dep, target, cpu_share: float) -> tuple[PreCopy, list[tuple[object, int]], int, list[int]] | None:
+    """Plan the copy, give the serving KV managers' free blocks for the new pools, and start the copy on the workers
+    of the changing instances. Returns (PreCopy, the blocks given back per KV manager, blocks copied, the workers
+    that copy), or None with nothing changed."""
     planned = plan_precopy(dep, target)
     if planned is None:
         return None
@@ -90,26 +96,46 @@ def start_precopy(dep, target, cpu_share: float) -> tuple[PreCopy, list[tuple[ob
         shrunk.append((kv, len(kv.shrink(blocks))))
     transfers = build_migration_plan(copies, dep.topology, target, dep.num_kv_heads, dep.num_layers)
     check_plan(copies, transfers, dep.topology, target, dep.num_kv_heads, dep.num_layers)
+    copying = sorted(pool_blocks)
+    # Two phases: every worker makes its pool first, and only when all did does any transfer start (a worker
+    # that failed would leave its peers waiting in a transfer it never posts).
     try:
-        pool.call_many(workers, "reshape.precopy", target, pool_blocks, transfers, cpu_share)
+        pool.call_many(copying, "reshape.precopy", target, pool_blocks, transfers)
     except Exception as exc:   # noqa: BLE001 - a worker that could not make its pool: the commit moves it all
         log.warning("restore KV pre-copy did not start: %s", exc)
-        abandon(dep, [w for w in workers if w in pool.check_health()])
+        dead = pool.check_health()
+        for w in copying:
+            if w not in dead:
+                _best_effort(dep, w, "reshape.drop_precopy")   # nothing started: no transfer to wait for
+        give_back(shrunk)
+        return None
+    try:
+        pool.call_many(copying, "exchange.start", cpu_share)
+    except Exception as exc:   # noqa: BLE001 - as above, but some may be moving already
+        log.warning("restore KV pre-copy did not start: %s", exc)
+        abandon(dep, [w for w in copying if w not in pool.check_health()])
         give_back(shrunk)
         return None
     copied = sum(len(m.src_blocks) for m in copies)
     log.info("restore KV pre-copy: %d full blocks of %d sequences copied beside the steps", copied,
              len(precopy.pinned))
-    return precopy, shrunk, copied
+    return precopy, shrunk, copied, copying
 
 
 def abandon(dep, workers: list[int]) -> None:
-    """The copy stops where it is (a peer died, or it failed to start); its pools go."""
+    """The copy stops where it is (a peer died, or a transfer failed); its pools go. Every worker is told to stop
+    after its current layer before any is waited for: the layers' transfers pair up across the workers."""
     for w in workers:
-        try:
-            dep.pool.call(w, "reshape.drop_precopy", True)
-        except Exception as exc:   # noqa: BLE001 - best effort: recovery replaces what fails here
-            log.error("worker %d could not drop its KV pre-copy: %s", w, exc)
+        _best_effort(dep, w, "exchange.stop")
+    for w in workers:
+        _best_effort(dep, w, "reshape.drop_precopy", True)
+
+
+def _best_effort(dep, worker: int, method: str, *args) -> None:
+    try:
+        dep.pool.call(worker, method, *args)
+    except Exception as exc:   # noqa: BLE001 - best effort: recovery replaces what fails here
+        log.error("worker %d: %s failed: %s", worker, method, exc)
 
 
 def give_back(shrunk: list[tuple[object, int]]) -> None:

@@ -37,6 +37,8 @@ class RestorePrewarm:
         self.done: set[int] = set()          # loaded
         self.copied: set[int] = set()
         self.precopy = None                  # reshape.PreCopy once the KV copy started
+        self.copying: list[int] = []         # the workers that copy
+        self.copy_failed = False
         self.copy_blocks = 0
         self.copy_started: float | None = None
         self.boundaries = 0
@@ -82,6 +84,8 @@ class RestorePrewarm:
             self.done.add(worker)
         if self.precopy is not None and report.get("copied"):
             self.copied.add(worker)
+        if self.precopy is not None and report.get("copy_error"):
+            self.copy_failed = True
 
     def poll(self, idle: bool) -> bool:
         """At a step boundary: whether the restore may commit now. Once every layer is loaded the KV pre-copy
@@ -95,12 +99,15 @@ class RestorePrewarm:
             self.copy_started = time.perf_counter()
             started = restore_precopy.start_precopy(self.dep, self.target, self.cpu_share)
             if started is not None:
-                self.precopy, shrunk, self.copy_blocks = started
+                self.precopy, shrunk, self.copy_blocks, self.copying = started
                 self.shrunk.extend(shrunk)
                 self.boundaries = 0
                 return False
+        if self.precopy is not None and self.copy_failed:   # the commit moves all the KV instead
+            log.warning("restore KV pre-copy failed on a worker; the restore moves all the KV at its commit")
+            self.abandon_copy([w for w in self.copying if w not in self.dep.pool.check_health()])
         if self.precopy is not None:
-            return self.copied.issuperset(self.workers) or self.boundaries >= STALE_BOUNDARIES
+            return self.copied.issuperset(self.copying) or self.boundaries >= STALE_BOUNDARIES
         return loaded or self.boundaries >= STALE_BOUNDARIES
 
     def abandon_copy(self, survivors: list[int]) -> None:

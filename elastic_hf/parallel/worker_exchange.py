@@ -172,10 +172,20 @@ class KVExchangeParticipant:
         self._release_source()
         return {"room_blocks": self.room_blocks(), **self.worker.memory_report()}
 
-    def abort(self) -> None:
-        """A group member died mid-exchange: the KV in transit is dropped (its requests are recomputed)."""
+    @property
+    def busy(self) -> bool:
+        """The thread is still inside a transfer."""
+        return not self._idle.is_set()
+
+    def stop(self) -> None:
+        """Stop after the current layer (every worker of the exchange first, then `abort` on each: the layers' sends
+        and receives pair up, so a worker told later would start a layer its stopped peer never posts)."""
         self._stop.set()
         self._full_speed.set()
+
+    def abort(self) -> None:
+        """A group member died mid-exchange: the KV in transit is dropped (its requests are recomputed)."""
+        self.stop()
         if not self._idle.wait(ABORT_JOIN_S):   # still inside a transfer: its buffers must outlive it
             log.error("worker %d: the KV exchange thread did not stop within %.0f s; its old pool is kept",
                       self.worker.me, ABORT_JOIN_S)

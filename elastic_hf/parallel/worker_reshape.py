@@ -82,12 +82,13 @@ class ReshapeParticipant:
         return {"done": self._prewarm is None or not self._prewarm.thread.is_alive(),
                 "copied": None if copy is None else copy["done"], "copy_error": copy and copy["error"]}
 
-    def precopy(self, topology, num_blocks: dict[int, int], transfers, cpu_share: float) -> dict:
-        """Start copying, beside the steps, the full KV blocks of the running requests into the pool this worker
-        serves from in `topology` (a restore's, made here with num_blocks[worker] blocks). A full block is never written
-        again, so the restore's commit moves only the blocks that filled or began since (migrate_kv). The
-        exchange thread (worker_exchange.py) copies from the pool that keeps serving, over its own group, held to
-        `cpu_share` of a core while steps run."""
+    def precopy(self, topology, num_blocks: dict[int, int], transfers) -> dict:
+        """Make the pool this worker serves from in `topology` (a restore's, with num_blocks[worker] blocks) and
+        hand the exchange thread the copy of the running requests' full KV blocks into it; the control plane
+        starts it ("exchange.start") once every worker of the copy got this far, so no worker waits in a transfer
+        on a peer that never posts its side. A full block is never written again, so the restore's commit moves
+        only the blocks that filled or began since (migrate_kv). The thread (worker_exchange.py) copies from the
+        pool that keeps serving, over its own group, held to its CPU share while steps run."""
         worker = self.worker
         if self._precopy is not None or self._txn is not None or worker.exchange is None or worker.exchange.in_flight:
             raise RuntimeError(f"worker {self._me} cannot start a KV pre-copy now")
@@ -100,7 +101,6 @@ class ReshapeParticipant:
         self._precopy = (topology, pool)
         worker.exchange.begin(transfers, worker.pool, head_range(num_kv_heads, old[1], old[2])[0], pool,
                               head_range(num_kv_heads, new[1], new[2])[0], close_source=False)
-        worker.exchange.start(cpu_share)
         return {"bytes": pool.num_blocks * pool.layout.block_bytes}
 
     def _take_precopy(self, topology) -> KVPagePool | None:
@@ -121,13 +121,17 @@ class ReshapeParticipant:
         if self._precopy is None:
             return
         pool, self._precopy = self._precopy[1], None
-        if abort:    # a peer of the copy died: waiting for the rest would wait on it
-            self.worker.exchange.abort()
+        exchange = self.worker.exchange
+        if abort:    # a peer of the copy died or failed: waiting for the rest would wait on it
+            exchange.abort()
         else:
             try:
-                self.worker.exchange.finish()
+                exchange.finish()
             except RuntimeError as exc:
                 log.warning("worker %d: the cancelled KV pre-copy had failed: %s", self._me, exc)
+        if exchange.busy:   # still inside a transfer: its writes must keep landing in pages that are ours
+            log.error("worker %d: the KV pre-copy thread did not stop; its pool is kept", self._me)
+            return
         pool.arena.close()
 
     def drop_prewarm(self, abort: bool = False) -> dict:

@@ -42,3 +42,12 @@ def test_discarding_twice_frees_once():
     precopy.discard(1)
     precopy.discard(1)
     assert kv.num_used == 3
+
+
+def test_a_sequence_without_blocks_gives_its_pin_back_and_its_sibling_keeps_its_own():
+    """A finished sibling of an n > 1 request (or a preempted one still waiting) holds no blocks: nothing of it
+    moves, so its pinned blocks go back, while the sibling that runs on keeps its pin."""
+    precopy, kv = _precopy()
+    request = SimpleNamespace(seqs=[_seq(1, [3, 4, 5]), _seq(2, [])])
+    pins = precopy.pins_of(request)
+    assert pins == {1: precopy.pinned[1]} and 2 not in precopy.pinned and kv.num_used == 3
