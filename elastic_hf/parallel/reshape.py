@@ -40,6 +40,13 @@ class ReshapeReport:
     num_moved_seqs: int = 0
     kv_plan_bytes: dict = field(default_factory=dict)   # what the plan moves: {"sent": ..., "local": ...}
     preempted: list[str] = field(default_factory=list)  # requests recomputed: the new layout held too little KV
+    # Every worker's memory report at its commit point, before anything runs on the new layout (a drop's KV
+    # exchange starts right after it and writes into the new pools)
+    committed_memory: list[dict] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        """What the admin API returns: everything but the per-worker reports."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("worker_stats", "committed_memory")}
 
 
 @dataclass(slots=True)
@@ -325,8 +332,9 @@ def run_reshape(deployment, target, weights_source: str | None = None, allow_pre
         raise ReshapeAborted(f"reshape {old} -> {new} rolled back: {exc}") from exc
     # ---- commit point: every worker holds the new shard, the migrated KV and the new groups ----
     lost = False
+    committed_memory: list[dict] = []
     try:
-        pool.call_many(workers, "reshape.commit")
+        committed_memory = pool.call_many(workers, "reshape.commit")
     except WorkerError as exc:
         # Past the commit point there is no way back: a worker whose commit failed, dead or alive, cannot be trusted
         # to hold either layout. Those still alive are ended, and every one of them is replaced under the new
@@ -342,7 +350,7 @@ def run_reshape(deployment, target, weights_source: str | None = None, allow_pre
     itemsize = torch.empty((), dtype=parse_dtype(deployment.config.dtype)).element_size()
     report = ReshapeReport(str(old), str(new), time.perf_counter() - start, True, stats, len(plan.seq_moves),
                            plan_payload_bytes(plan.transfers, deployment.config.block_size, deployment.head_dim,
-                                              itemsize), list(placement.preempted))
+                                              itemsize), list(placement.preempted), committed_memory)
     if placement.preempted:
         log.warning("reshape %s -> %s preempted %d request(s) by recompute (the new layout holds less KV): %s", old,
                     new, len(placement.preempted), placement.preempted)

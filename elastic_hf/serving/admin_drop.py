@@ -11,7 +11,6 @@ Both POSTs run on the engine thread between two steps. No plan (e.g. a single in
 transaction that rolled back is a 409 with the reason; the old layout keeps serving."""
 from __future__ import annotations
 
-from dataclasses import asdict
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,7 +33,7 @@ def admin_drop_router(model, async_engine, admin_key: str | None) -> APIRouter:
     router = APIRouter()
 
     def report_json(report) -> dict:
-        return {k: v for k, v in asdict(report).items() if k != "worker_stats"}
+        return report.summary()
 
     def last_reason() -> str:
         history = model.overload_state()["history"]

@@ -10,7 +10,6 @@ topology is a 400 naming the candidates; a reshape that rolled back before its c
 topology keeps serving). A single-worker server has one candidate, [1]."""
 from __future__ import annotations
 
-from dataclasses import asdict
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,7 +63,7 @@ def admin_reshape_router(model, async_engine, admin_key: str | None) -> APIRoute
         return {"topology": as_json(deployment.topology),
                 "candidates": [as_json(t) for t in deployment.candidates],
                 "tp_policy": deployment.config.tp_policy,
-                "reshapes": [{k: v for k, v in asdict(r).items() if k != "worker_stats"} for r in deployment.reshapes]}
+                "reshapes": [r.summary() for r in deployment.reshapes]}
 
     @router.post("/admin/reshape")
     async def post_reshape(request: Request):
@@ -81,6 +80,6 @@ def admin_reshape_router(model, async_engine, admin_key: str | None) -> APIRoute
             return error_response(400, str(exc), code="invalid_topology", param="topology")
         except ReshapeAborted as exc:
             return error_response(409, str(exc), code="reshape_rolled_back")
-        return {k: v for k, v in asdict(report).items() if k != "worker_stats"}
+        return report.summary()
 
     return router

@@ -125,8 +125,10 @@ def test_drop_frees_the_layers_bytes_for_kv_blocks(drop_checkpoint, reference):
         run.step(2)
         before = model.memory_report()["workers"]
         blocks_before = sum(i.engine.scheduler.kv.num_total for i in dep.instances)
-        assert model.drop() is not None
-        after = model.memory_report()["workers"]   # at the commit point: the old pools still hold live KV
+        report = model.drop()
+        assert report is not None
+        # At the commit point (the old pools still hold live KV), before the exchange writes into the new pools
+        after = report.committed_memory
         page = dep.pool.call(0, "info")["page_size"]
         for w, (b, a) in enumerate(zip(before, after)):
             start, end = a["layers"]
