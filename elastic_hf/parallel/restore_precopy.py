@@ -79,21 +79,10 @@ def start_precopy(dep, target, cpu_share: float) -> tuple[PreCopy, list[tuple[ob
     for w, fp, r in zip(workers, footprints, reports):
         pages = ceil_div(pool_blocks.get(w, 0) * fp["new_block_bytes"], fp["page_size"]) + 1
         need[w] = pages * fp["page_size"] - (r["free_bytes"] - r["headroom_bytes"])
-    shrunk: list[tuple[object, int]] = []
-    for inst in dep.instances:
-        blocks = max((ceil_div(need[w], reports[w]["kv_block_bytes"]) + SPARE_BLOCKS
-                      for w in inst.workers if need[w] > 0 and reports[w]["kv_block_bytes"]), default=0)
-        kv = inst.engine.scheduler.kv
-        # The pipeline keeps serving meanwhile: it keeps a free block for every sequence it runs
-        reserve = len(inst.engine.scheduler.running)
-        if blocks == 0:
-            continue
-        if kv.num_free - blocks < reserve:
-            log.info("no restore KV pre-copy: instance %s has %d free KV blocks, the copy needs %d and its %d "
-                     "running sequences one each", inst.workers, kv.num_free, blocks, reserve)
-            give_back(shrunk)
-            return None
-        shrunk.append((kv, len(kv.shrink(blocks))))
+    # The pipeline keeps serving meanwhile: it keeps a free block for every sequence it runs
+    shrunk = free_kv_blocks(dep, need, reports, "restore KV pre-copy", keep_one_per_running=True)
+    if shrunk is None:
+        return None
     transfers = build_migration_plan(copies, dep.topology, target, dep.num_kv_heads, dep.num_layers)
     check_plan(copies, transfers, dep.topology, target, dep.num_kv_heads, dep.num_layers)
     copying = sorted(pool_blocks)
@@ -120,6 +109,29 @@ def start_precopy(dep, target, cpu_share: float) -> tuple[PreCopy, list[tuple[ob
     log.info("restore KV pre-copy: %d full blocks of %d sequences copied beside the steps", copied,
              len(precopy.pinned))
     return precopy, shrunk, copied, copying
+
+
+def free_kv_blocks(dep, need: dict[int, int], reports: list[dict], purpose: str,
+                   keep_one_per_running: bool = False) -> list[tuple[object, int]] | None:
+    """Every instance's KV manager gives back free blocks covering need[w] bytes on each of its workers (never a
+    live block; keep_one_per_running: never below one free block per running sequence). Returns (KV manager, blocks
+    given) per instance, or None with everything grown back when the free blocks do not cover it."""
+    shrunk: list[tuple[object, int]] = []
+    for inst in dep.instances:
+        blocks = max((ceil_div(need[w], reports[w]["kv_block_bytes"]) + SPARE_BLOCKS
+                      for w in inst.workers if need[w] > 0 and reports[w]["kv_block_bytes"]), default=0)
+        if blocks == 0:
+            continue
+        kv = inst.engine.scheduler.kv
+        free = kv.num_free
+        keep = len(inst.engine.scheduler.running) if keep_one_per_running else 0
+        shrunk.append((kv, len(kv.shrink(blocks)) if free - blocks >= keep else 0))
+        if shrunk[-1][1] < blocks:
+            log.info("no %s: instance %s has %d free KV blocks, it needs %d and keeps %d free", purpose,
+                     inst.workers, free, blocks, keep)
+            give_back(shrunk)
+            return None
+    return shrunk
 
 
 def abandon(dep, workers: list[int]) -> None:

@@ -17,12 +17,10 @@ import time
 
 from elastic_hf.parallel import restore_precopy
 from elastic_hf.topology import Topology
-from elastic_hf.units import ceil_div
 
 log = logging.getLogger(__name__)
 
 STALE_BOUNDARIES = 16   # commit the restore anyway (its prepare joins whatever is still loading)
-SPARE_BLOCKS = 2        # blocks share pages at their ends: a couple more than the bytes say
 
 
 class RestorePrewarm:
@@ -53,23 +51,12 @@ class RestorePrewarm:
         reports = deployment.memory_report()
         need = {w: f["weights_after_bytes"] - r["weights_bytes"] - (r["free_bytes"] - r["headroom_bytes"])
                 for w, f, r in zip(workers, footprints, reports)}
-        shrunk: list[tuple[object, int]] = []
-        for inst in deployment.instances:
-            blocks = max((ceil_div(need[w], reports[w]["kv_block_bytes"]) + SPARE_BLOCKS
-                          for w in inst.workers if need[w] > 0 and reports[w]["kv_block_bytes"]), default=0)
-            if blocks == 0:
-                continue
-            kv = inst.engine.scheduler.kv
-            given = len(kv.shrink(blocks))
-            shrunk.append((kv, given))
-            if given < blocks:
-                log.info("no restore prewarm: instance %s has %d free KV blocks, its layers need %d",
-                         inst.workers, given, blocks)
-                cls._give_back(shrunk)
-                return None
+        shrunk = restore_precopy.free_kv_blocks(deployment, need, reports, "restore prewarm")
+        if shrunk is None:
+            return None
         loading = [w for w, started in zip(workers, pool.call_many(workers, "reshape.prewarm", target)) if started]
         if not loading:
-            cls._give_back(shrunk)
+            restore_precopy.give_back(shrunk)
             return None
         log.info("restore prewarm: loading the layers of %s beside the steps (%d KV blocks given back)", target,
                  sum(n for _, n in shrunk))
@@ -123,7 +110,7 @@ class RestorePrewarm:
 
     def give_back(self) -> None:
         """The KV managers grow back by the blocks they gave (the layers' pages are free again)."""
-        self._give_back(self.shrunk)
+        restore_precopy.give_back(self.shrunk)
         self.shrunk = []
 
     def summary(self) -> dict:
@@ -132,7 +119,3 @@ class RestorePrewarm:
                 "prewarm_kv_blocks_given": sum(n for _, n in self.shrunk),
                 "precopy_blocks": self.copy_blocks if self.precopy is not None else 0,
                 "precopy_seconds": round(now - self.copy_started, 4) if self.precopy is not None else 0.0}
-
-    @staticmethod
-    def _give_back(shrunk: list[tuple[object, int]]) -> None:
-        restore_precopy.give_back(shrunk)
