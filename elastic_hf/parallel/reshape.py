@@ -57,6 +57,8 @@ class RequestPlacement:
     kv_managers: dict[int, KVManager]
     taken_on_kept: list[tuple[KVManager, list[int]]]
     preempted: list[str] = field(default_factory=list)   # request ids that go over without their KV (recompute)
+    # seq_id -> its block ids on its new instance (a sequence sharing cached prefix blocks gets its own copies)
+    new_blocks: dict[int, list[int]] = field(default_factory=dict)
 
     def release_taken(self) -> None:
         for kv, block_ids in self.taken_on_kept:
@@ -202,6 +204,7 @@ def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int,
                     if dst in kept or dst in made:   # a failed attempt gives them back (a pin's stay pinned)
                         placement.taken_on_kept.append((kv_managers[dst], taken))
                     new_blocks = reused + taken
+                    placement.new_blocks[seq.seq_id] = new_blocks
                     moves.append(BlockMove(old_idx, dst, tuple(seq.block_ids), tuple(new_blocks)))
                     done = len(pin.copied) if pin is not None else 0
                     if done < len(new_blocks):
@@ -236,11 +239,6 @@ def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: Req
     deferred-KV plan the moved requests wait in the exchanging state until their KV has arrived.
     Returns (new instances, the cumulative counters of the retired engines, RETIRED_COUNTERS: a deployment's totals
     must not fall back when an engine is replaced)."""
-    # Sequences sharing cached prefix blocks each got their own copies: identical old block lists map to one new
-    # list per sequence, in the order the plan made them.
-    new_block_ids: dict[tuple, list[list[int]]] = {}
-    for m in plan.moves:
-        new_block_ids.setdefault((m.src_instance, m.src_blocks), []).append(list(m.dst_blocks))
     retired_engines = [inst.engine for idx, inst in enumerate(instances) if idx not in plan.kept.values()]
     retired_stats = [e.stats() for e in retired_engines]
     for stats in retired_stats:
@@ -259,8 +257,7 @@ def resume_instances(instances, new: Topology, plan: ReshapePlan, placement: Req
             if request.request_id in placement.preempted:
                 instance.engine.adopt(request, {}, recompute=True)
                 continue
-            blocks = {seq.seq_id: new_block_ids[(plan.seq_moves[seq.seq_id][0], tuple(seq.block_ids))].pop(0)
-                      for seq in request.seqs if seq.block_ids}
+            blocks = {seq.seq_id: placement.new_blocks[seq.seq_id] for seq in request.seqs if seq.block_ids}
             instance.engine.adopt(request, blocks, exchanging=plan.defer_kv)
         out.append(instance)
     return out, retired

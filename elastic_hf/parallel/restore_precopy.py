@@ -38,9 +38,6 @@ def plan_precopy(dep, target) -> tuple[PreCopy, list[BlockMove], dict[int, int]]
         placement.release_taken()
         log.info("no restore KV pre-copy: requests would move to unchanged instances %s", sorted(plan.kept))
         return None
-    new_ids: dict[tuple, list[list[int]]] = {}
-    for m in plan.moves:
-        new_ids.setdefault((m.src_instance, m.src_blocks), []).append(list(m.dst_blocks))
     bs = dep.config.block_size
     pinned: dict[int, PinnedSeq] = {}
     copies: list[BlockMove] = []
@@ -50,7 +47,7 @@ def plan_precopy(dep, target) -> tuple[PreCopy, list[BlockMove], dict[int, int]]
                 if not seq.block_ids:
                     continue
                 src = plan.seq_moves[seq.seq_id][0]
-                ids = new_ids[(src, tuple(seq.block_ids))].pop(0)
+                ids = placement.new_blocks[seq.seq_id]
                 full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
                 pinned[seq.seq_id] = PinnedSeq(dst, tuple(seq.block_ids[:full]), tuple(ids), seq.num_preemptions)
                 if full:
