@@ -14,8 +14,11 @@ We split that into two parts a pipeline stage pays differently:
 - the *decoder part*: eq. 1-3 as written, for all decoder layers of the profiled model (its per-step fixed costs,
   metadata and the embedding lookup, ride along in gamma and lam). A stage holding k of the N layers pays k/N of it.
 - the *head part*: `head` seconds per row that goes through the final norm and the LM head (a chunk that ends with
-  a sampled row). Only the last stage pays it; on a small model with a large vocabulary (SmolLM2: 49k rows) one
-  row costs as much as several decoder tokens, so it is a term of its own, not folded into beta.
+  a sampled row), plus `head_fixed` once per micro-batch that samples any row (streaming the LM head's weights:
+  SmolLM2's 49k x 576 head is as many bytes as 8 of its decoder layers). Only the last stage pays it, so it is a
+  term of its own, not folded into beta and lam: a pipeline's split and its micro-batches balance the stages by it.
+  `elastic-hf profile-cost` times the head alone (a regression on whole forwards cannot tell a fixed head cost
+  from lam: both are paid by nearly every micro-batch) and fits the decoder terms to the rest of each forward.
 
 `fit_token_linear` is the baseline that token-count chunking assumes (time = a * tokens + b)."""
 from __future__ import annotations
@@ -57,9 +60,10 @@ class CostModel:
     num_layers: int     # decoder layers of the profiled model
     min_tokens: int
     source: str = ""    # model id and machine
+    head_fixed: float = 0.0   # per micro-batch that samples any row: the LM head's weight stream
 
     def __post_init__(self):
-        for name in ("alpha", "beta", "gamma", "lam", "head"):
+        for name in ("alpha", "beta", "gamma", "lam", "head", "head_fixed"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"cost model coefficient {name} must be finite and >= 0, got {value}")
@@ -79,7 +83,8 @@ class CostModel:
         return work + len(chunks) * self.gamma - (len(chunks) - 1) * self.lam
 
     def head_cost(self, chunks: list[Chunk]) -> float:
-        return self.head * sum(c.sampled for c in chunks)
+        rows = sum(c.sampled for c in chunks)
+        return self.head * rows + (self.head_fixed if rows else 0.0)
 
     def batch_cost(self, chunks: list[Chunk], layer_fraction: float = 1.0, last_stage: bool = True) -> float:
         """One micro-batch on a pipeline stage holding `layer_fraction` of the decoder layers; only the last stage
@@ -105,7 +110,7 @@ class CostModel:
         if missing:
             raise ValueError(f"cost model file misses {missing}")
         return cls(*(float(data[n]) for n in fields[:5]), int(data["num_layers"]), int(data["min_tokens"]),
-                   str(data.get("source", "")))
+                   str(data.get("source", "")), float(data.get("head_fixed", 0.0)))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
@@ -154,8 +159,13 @@ def eq3_features(chunks: list[Chunk]) -> list[float]:
             sum(c.sampled for c in chunks)]
 
 
-def fit(samples: list[Sample], num_layers: int, *, source: str = "", min_tokens: int | None = None) -> CostModel:
+def fit(samples: list[Sample], num_layers: int, *, source: str = "", min_tokens: int | None = None,
+        head: tuple[float, float] | None = None) -> CostModel:
     """Least squares (KunServe §4.3) of eq. 1-3 on measured micro-batches.
+
+    head: (fixed, per row) seconds of the head part measured on its own (fit_head); each sample's head time is then
+    taken off its measured time and only the decoder terms are fitted. Without it the head's per-row cost is a
+    fifth coefficient of the regression and its fixed cost rides in lam.
 
     gamma and lam are not identifiable as written: cost(b) holds |b|*gamma - (|b|-1)*lam = (gamma - lam)*|b| + lam,
     so the regression is linear in [attention work, tokens, |b|, 1, sampled rows] with coefficients
@@ -168,17 +178,45 @@ def fit(samples: list[Sample], num_layers: int, *, source: str = "", min_tokens:
     one would prefer longer prefixes or larger batches (and gamma < lam would make one more chunk shrink a
     micro-batch's cost), so the most negative is fixed at 0 and the rest refitted until none is (an active-set
     non-negative least squares)."""
-    return fit_features([eq3_features(chunks) for chunks, _ in samples], [t for _, t in samples], num_layers,
-                        source=source, min_tokens=min_tokens, unit="micro-batches")
+    if head is None:
+        return fit_features([eq3_features(chunks) for chunks, _ in samples], [t for _, t in samples], num_layers,
+                            source=source, min_tokens=min_tokens, unit="micro-batches")
+    head_fixed, per_row = head
+    probe = CostModel(0.0, 0.0, 0.0, 0.0, per_row, num_layers, 1, head_fixed=head_fixed)
+    rest = [t - probe.head_cost(chunks) for chunks, t in samples]
+    if min(rest) <= 0:
+        worst = min(range(len(rest)), key=rest.__getitem__)
+        raise ValueError(f"the measured head ({head_fixed:.4g} s + {per_row:.4g} s a row) takes all of a "
+                         f"{samples[worst][1]:.4g} s micro-batch of {len(samples[worst][0])} chunks: the head and "
+                         f"the forwards were not timed alike")
+    model = fit_features([eq3_features(chunks)[:4] for chunks, _ in samples], rest, num_layers, source=source,
+                         min_tokens=min_tokens, unit="micro-batches")
+    return replace(model, head=per_row, head_fixed=head_fixed)
+
+
+def fit_head(timings: list[tuple[int, float]]) -> tuple[float, float]:
+    """(fixed, per row) seconds of the head part from (rows, seconds) timings of the final norm + LM head alone: a
+    non-negative straight-line fit (relative residuals, as `fit`)."""
+    if len({rows for rows, _ in timings}) < 2:
+        raise ValueError(f"fitting the head needs timings at >= 2 row counts, got {sorted({r for r, _ in timings})}")
+    times = np.array([t for _, t in timings], dtype=np.float64)
+    if np.any(times <= 0):
+        raise ValueError(f"head timings must be > 0; got min {times.min()}")
+    features = np.array([[float(rows), 1.0] for rows, _ in timings], dtype=np.float64)
+    per_row, fixed = _nonnegative_lstsq(features / times[:, None], np.ones_like(times), ["head rows", "intercept"])
+    return float(fixed), float(per_row)
 
 
 def fit_features(rows: list[list[float]], seconds: list[float], num_layers: int, *, source: str = "",
                  min_tokens: int | None = None, unit: str = "samples") -> CostModel:
     """`fit` on precomputed regressor rows (eq3_features of a micro-batch, or sums of them scaled by a stage's
-    share of the layers: engine/cost_fit.py) and their measured seconds."""
+    share of the layers: engine/cost_fit.py) and their measured seconds. Rows of 4 (the decoder terms only: the
+    head timed apart) fit a model with no head cost."""
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    num_coefficients = 5
+    num_coefficients = len(rows[0]) if rows else 5
+    if num_coefficients not in (4, 5) or any(len(row) != num_coefficients for row in rows):
+        raise ValueError(f"regressor rows must all have 4 or 5 values, got lengths {sorted({len(r) for r in rows})}")
     if len(rows) < 2 * num_coefficients:
         raise ValueError(f"fitting {num_coefficients} coefficients needs at least {2 * num_coefficients} measured "
                          f"{unit}, got {len(rows)}")
@@ -187,8 +225,9 @@ def fit_features(rows: list[list[float]], seconds: list[float], num_layers: int,
         raise ValueError(f"measured times must be finite and > 0; got min {times.min()} max {times.max()}")
     features = np.array(rows, dtype=np.float64)
     coefficients = _nonnegative_lstsq(features / times[:, None], np.ones_like(times),
-                                      ["attention work", "tokens", "chunks", "intercept", "sampled rows"])
-    alpha, beta, gamma_minus_lam, lam, head = (float(v) for v in coefficients)
+                                      ["attention work", "tokens", "chunks", "intercept", "sampled rows"]
+                                      [:num_coefficients])
+    alpha, beta, gamma_minus_lam, lam, head = (*(float(v) for v in coefficients), 0.0)[:5]
     model = CostModel(alpha, beta, gamma_minus_lam + lam, lam, head, num_layers,
                       1 if min_tokens is None else min_tokens, source)
     return model if min_tokens is not None else replace(model, min_tokens=choose_min_tokens(model))

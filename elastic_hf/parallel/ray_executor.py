@@ -125,6 +125,9 @@ class RayExecutor(Executor):
         self._bundles: list[tuple] = [None] * self.num_workers   # (placement group, bundle index)
         self._where: list[dict] = [{}] * self.num_workers
         self._watch: dict[int, ray.ObjectRef] = {}
+        # Each worker's latest call: an actor answers its calls in the order sent, so when this one is answered
+        # every earlier one is too (end_blocked waits on it alone).
+        self._latest_call: dict[int, ray.ObjectRef] = {}
         self._killed: set[int] = set()
         self.rendezvous = self.stores = None
         try:
@@ -256,6 +259,7 @@ class RayExecutor(Executor):
         workers = tuple(range(self.num_workers)) if workers is None else tuple(workers)
         call = PendingRPC(method, workers, None if timeout is None else time.monotonic() + timeout, timeout)
         call.handle = {self._actors[w].call.remote(method, args): w for w in workers}
+        self._latest_call.update((w, ref) for ref, w in call.handle.items())
         return call
 
     def wait_rpc(self, call: PendingRPC) -> list:
@@ -277,6 +281,24 @@ class RayExecutor(Executor):
         return finish_collective(self, call.method, call.workers, results, errors, [refs[r] for r in pending],
                                  call.timeout)
 
+    def end_blocked(self, workers: Iterable[int], grace_s: float) -> list[int]:
+        """Workers among `workers` (the peers of a dead worker) whose latest call is not answered within `grace_s`
+        are ended: they are blocked in a transfer with the dead peer (a lost node sends no reset; gloo fails the
+        transfer only after its collective timeout). Returns them."""
+        ended = []
+        deadline = time.monotonic() + grace_s
+        for w in workers:
+            ref = self._latest_call.get(w)
+            if ref is None or w in self._killed:
+                continue
+            ready, _ = ray.wait([ref], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                log.error("worker %d: its call did not end within %.0f s of its peer's death: ended, to be "
+                          "replaced", w, grace_s)
+                self.kill(w)
+                ended.append(w)
+        return ended
+
     def check_health(self) -> list[int]:
         refs = {ref: w for w, ref in self._watch.items()}
         ended, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0) if refs else ([], [])
@@ -291,6 +313,7 @@ class RayExecutor(Executor):
         rejoins = {w: self._actors[w].call.remote("rejoin", (world,)) for w in survivors}
         for w in dead:
             self._watch.pop(w, None)
+            self._latest_call.pop(w, None)
             ray.kill(self._actors[w], no_restart=True)
             self._actors[w] = self._spawn(w, world, config, wait_s=REBUNDLE_WAIT_S)
         self._started(dead, "start", rejoins)

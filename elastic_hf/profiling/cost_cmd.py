@@ -1,6 +1,7 @@
 """Offline cost model for lookahead micro-batching (KunServe §4.3, eq. 1-3): time forwards of one worker over a grid
 of micro-batches (prefix length x chunk size x chunks per micro-batch, decode batches, chunked-prefill mixes; median
-of --repeats after a warm-up), fit alpha/beta/gamma/lambda and the LM head cost by least squares, choose MIN (the
+of --repeats after a warm-up), time the final norm + LM head alone, fit its fixed and per-row cost, fit
+alpha/beta/gamma/lambda by least squares to the rest of each forward, choose MIN (the
 fewest tokens worth a micro-batch) and write cost-profile-<model>.json next to where `elastic-hf profile` writes
 its LIS profile."""
 from __future__ import annotations
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from elastic_hf.engine.cost_model import fit, relative_errors
-from elastic_hf.profiling.cost_profile import GRIDS, MicroBatchTimer, grid_micro_batches, measure
+from elastic_hf.engine.cost_model import fit, fit_head, relative_errors
+from elastic_hf.profiling.cost_profile import GRIDS, MicroBatchTimer, grid_micro_batches, measure, measure_head
 from elastic_hf.profiling.profile_cmd import default_out_path, report_usage_errors
 
 
@@ -58,13 +59,15 @@ def _run(args) -> int:
           f"{args.dtype} on {timer.device}, {torch.get_num_threads()} threads): median of {args.repeats} after "
           f"{args.warmup} warm-up")
     samples = measure(timer, micro_batches, args.repeats, args.warmup, progress=not args.no_progress)
+    head = fit_head(measure_head(timer, grid.head_rows, args.repeats, args.warmup))
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     model = fit(samples, timer.num_layers, source=f"{resolved.model_id} {args.dtype} on {timer.device} ({machine}, "
-                                                  f"{torch.get_num_threads()} threads), grid {args.grid}")
+                                                  f"{torch.get_num_threads()} threads), grid {args.grid}", head=head)
     errors = relative_errors(model, samples)
     print(f"alpha {model.alpha:.4g} s per query-key pair   beta {model.beta:.4g} s per token   "
           f"gamma {model.gamma:.4g} s per chunk   lambda {model.lam:.4g} s shared per extra chunk   "
-          f"head {model.head:.4g} s per sampled row")
+          f"head {model.head_fixed:.4g} s + {model.head:.4g} s per sampled row (timed alone at "
+          f"{', '.join(map(str, grid.head_rows))} rows)")
     print(f"MIN {model.min_tokens} tokens per micro-batch; in-sample relative error mean "
           f"{statistics.mean(errors):.3f}, max {max(errors):.3f} over {len(samples)} micro-batches")
     model.save(out_path)

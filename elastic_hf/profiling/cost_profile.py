@@ -36,13 +36,15 @@ class Grid:
     decode_prefixes: tuple[int, ...]
     decode_batches: tuple[int, ...]
     max_tokens: int      # new tokens of one micro-batch at most (a step's token budget)
+    head_rows: tuple[int, ...] = (1, 4, 16, 64)   # rows the head part is timed at alone (MicroBatchTimer.run_head)
 
 
 GRIDS = {
     "small": Grid(prefixes=(0, 48), chunks=(8, 32), batch_sizes=(1, 3), decode_prefixes=(16, 96),
                   decode_batches=(1, 6), max_tokens=128),
     "full": Grid(prefixes=(0, 256, 1024), chunks=(16, 64, 256), batch_sizes=(1, 2, 4),
-                 decode_prefixes=(64, 512, 1024), decode_batches=(1, 8, 16), max_tokens=1024),
+                 decode_prefixes=(64, 512, 1024), decode_batches=(1, 8, 16), max_tokens=1024,
+                 head_rows=(1, 8, 32, 128)),
 }
 
 
@@ -83,6 +85,8 @@ class MicroBatchTimer:
         self.num_layers = loaded.num_layers
         self.max_positions = int(getattr(loaded.hf_config, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(loaded.hf_config.vocab_size)
+        self.hidden_size = int(loaded.hf_config.hidden_size)
+        self.dtype = loaded.dtype
         self.device = loaded.device
         self.rng = random.Random(0)
 
@@ -110,6 +114,20 @@ class MicroBatchTimer:
             for seq in inputs:
                 self.kv.free(seq.block_ids)
 
+    @torch.inference_mode()
+    def run_head(self, rows: int) -> float:
+        """Seconds of the head part alone on `rows` sampled rows: the final norm and the LM head over hidden states
+        [1, rows, hidden], logits in fp32, as the last stage's forward ends (model/runner.py)."""
+        model = self.instance.runner.model
+        hidden = torch.randn(1, rows, self.hidden_size, dtype=self.dtype, device=self.device)   # [1, rows, hidden]
+        started = time.perf_counter()
+        logits = model.lm_head(model.get_decoder().norm(hidden)).float()                        # [1, rows, vocab]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - started
+        del logits
+        return elapsed
+
     def time(self, chunks: list[Chunk], repeats: int = 3, warmup: int = 1) -> float:
         """Median seconds of `repeats` forwards after `warmup` untimed ones."""
         for _ in range(warmup):
@@ -133,3 +151,15 @@ def measure(timer: MicroBatchTimer, micro_batches: list[list[Chunk]], repeats: i
                     runs[i].append(seconds)
                 bar.update()
     return [(chunks, statistics.median(seconds)) for chunks, seconds in zip(micro_batches, runs)]
+
+
+def measure_head(timer: MicroBatchTimer, rows: tuple[int, ...], repeats: int = 3, warmup: int = 1
+                 ) -> list[tuple[int, float]]:
+    """(rows, median seconds) of the head part alone at each row count, in rounds as `measure` runs them."""
+    runs: dict[int, list[float]] = {r: [] for r in rows}
+    for round_index in range(warmup + repeats):
+        for r in rows:
+            seconds = timer.run_head(r)
+            if round_index >= warmup:
+                runs[r].append(seconds)
+    return [(r, statistics.median(seconds)) for r, seconds in runs.items()]

@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from elastic_hf.engine.cost_model import (Chunk, CostModel, choose_min_tokens, eq3_features, fit, fit_token_linear,
-                                          relative_errors)
+from elastic_hf.engine.cost_model import (Chunk, CostModel, choose_min_tokens, eq3_features, fit, fit_head,
+                                          fit_token_linear, relative_errors)
 
 TRUE = CostModel(alpha=2e-8, beta=3e-4, gamma=4e-3, lam=3e-3, head=1.5e-3, num_layers=30, min_tokens=64)
 
@@ -85,12 +85,40 @@ def test_json_round_trip_and_file_errors(tmp_path):
     path.write_text(json.dumps({"format": 99, "kind": "cost-model"}))
     with pytest.raises(ValueError, match="format 1"):
         CostModel.load(path)
+    with_head = CostModel(1e-8, 3e-4, 4e-3, 3e-3, 1e-4, 30, 8, "x", head_fixed=5e-3)
+    assert CostModel.from_json(with_head.to_json()) == with_head
+    data = json.loads(with_head.to_json())
+    del data["head_fixed"]   # a file written before the fixed head cost: none
+    assert CostModel.from_json(json.dumps(data)).head_fixed == 0.0
     data = json.loads(TRUE.to_json())
     del data["lam"]
     with pytest.raises(ValueError, match="lam"):
         CostModel.from_json(json.dumps(data))
     with pytest.raises(ValueError, match="beta must be finite and >= 0, got -1"):
         CostModel(1.0, -1.0, 0.0, 0.0, 0.0, 1, 1)
+
+
+def test_a_head_timed_alone_is_taken_off_the_forwards_and_the_decoder_terms_fitted_to_the_rest():
+    """The LM head's weight stream is paid once by every micro-batch that samples (head_fixed): a regression on
+    whole forwards cannot tell it from lam. Timed alone, it is fitted as a line over rows and subtracted."""
+    true = CostModel(alpha=2e-8, beta=3e-4, gamma=4e-3, lam=3e-3, head=1e-4, num_layers=30, min_tokens=64,
+                     head_fixed=6e-3)
+    assert true.head_cost([Chunk(0, 8, False)]) == 0.0
+    assert true.head_cost([Chunk(5, 1, True)] * 4) == pytest.approx(6e-3 + 4e-4)
+    rng = random.Random(3)
+    timings = [(rows, (6e-3 + 1e-4 * rows) * (1 + rng.uniform(-0.01, 0.01))) for rows in (1, 4, 16, 64) * 3]
+    fixed, per_row = fit_head(timings)
+    assert fixed == pytest.approx(6e-3, rel=0.05) and per_row == pytest.approx(1e-4, rel=0.05)
+    fitted = fit(_samples(true, 200, noise=0.01), 30, head=(fixed, per_row))
+    assert (fitted.head_fixed, fitted.head) == (fixed, per_row)
+    for name in ("beta", "gamma", "lam"):
+        assert getattr(fitted, name) == pytest.approx(getattr(true, name), rel=0.1), name
+    held_out = _samples(true, 100, noise=0.0, seed=1)
+    assert max(relative_errors(fitted, held_out)) < 0.03
+    with pytest.raises(ValueError, match="2 row counts"):
+        fit_head([(4, 1e-3), (4, 1.1e-3)])
+    with pytest.raises(ValueError, match="takes all of"):
+        fit(_samples(true, 20, noise=0.0), 30, head=(1.0, 0.0))
 
 
 def test_fit_refuses_too_few_or_degenerate_samples():

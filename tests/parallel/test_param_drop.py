@@ -185,7 +185,8 @@ def test_failed_drop_rolls_back_at_every_stage_and_serves_on(drop_checkpoint, re
 def test_restore_loads_the_layers_beside_the_steps_then_commits(drop_checkpoint, reference):
     """The arbiter's restore after a drop: free KV blocks make room, every worker loads its missing layers and then
     copies the running requests' full KV blocks while the pipeline serves on, and the reshape that commits finds
-    both in place (it loads nothing itself and moves only the blocks written since the copy)."""
+    both in place (it loads nothing itself and moves only the blocks written since the copy). A second drop after
+    it exchanges the KV again; greedy tokens equal HF's across drop -> restore -> drop, nothing re-prefilled."""
     ref, tokenizer = reference
     prompts = mixed_prompts(tokenizer, 6, 8, 40, seed=37)
     with _model(drop_checkpoint, kv_cache_memory=2 * KV) as model:   # room for the layers and the KV copy
@@ -212,9 +213,17 @@ def test_restore_loads_the_layers_beside_the_steps_then_commits(drop_checkpoint,
         moved = sum(dep.reshapes[-1].kv_plan_bytes.values())
         assert entry["precopy_blocks"] > 0, entry
         assert moved <= 2 * dep.reshapes[-1].num_moved_seqs * block_bytes, (entry, moved, block_bytes)
-        run.until(ids)
+        # drop -> overlapped restore -> drop: the second drop exchanges the KV beside the steps again.
+        second = mixed_prompts(tokenizer, 4, 8, 40, seed=39)
+        ids2 = [dep.add_request(None, p, SamplingParams(temperature=0.0, max_tokens=MAX_NEW)) for p in second]
+        run.step(2)
+        assert model.drop() is not None and str(dep.topology).startswith("[1x2")
+        assert sum(len(i.engine.scheduler.exchanging) for i in dep.instances), "the second drop moved no KV"
+        run.until(ids + ids2)
         assert dep.stats()["num_preemptions"] == 0
-    for rid, prompt in zip(ids, prompts):
+        # Every prompt token computed once: the drops and the restore moved KV, they recomputed nothing.
+        assert dep.num_computed_prompt_tokens == sum(map(len, prompts + second))
+    for rid, prompt in zip(ids + ids2, prompts + second):
         assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
 
 

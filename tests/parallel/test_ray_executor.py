@@ -3,7 +3,8 @@ both nodes on this machine, each with its own raylet and object store): greedy t
 PP reshape and a drop/restore cycle with the workers on different nodes (and a worker morphs its own layers on its
 node), nothing re-prefilled, and a reshape that
 fails on the remote node before its commit point rolls back on both; a node that dies
-mid-decode is replaced on the remaining one and every request completes exactly, KV blocks all given back."""
+mid-decode is replaced on the remaining one and every request completes exactly, KV blocks all given back; a peer
+blocked on a lost worker is ended within the recovery's grace."""
 import sys
 
 import pytest
@@ -143,8 +144,37 @@ def test_a_node_lost_mid_decode_is_replaced_on_the_remaining_node(two_nodes, tp_
             assert kv.num_free == kv.num_total == dep.capacity(inst.key)
         again = model.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
         assert [o.outputs[0].token_ids for o in again] == [done[i] for i in ids[:2]]
+        _a_blocked_peer_is_ended_within_the_grace(dep)
+        again = model.generate(prompts[2:4], SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+        assert [o.outputs[0].token_ids for o in again] == [done[i] for i in ids[2:4]]
     for rid, prompt in zip(ids, prompts):
         assert done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
+
+
+def _a_blocked_peer_is_ended_within_the_grace(dep) -> None:
+    """A node lost to a partition sends no reset: its peer's call, blocked in a transfer with it, would fail only
+    after gloo's timeout. Recovery ends the peers whose latest call is not answered within the grace
+    (Executor.end_blocked), and only those; a stopped process stands in for the blocked one."""
+    import os
+    import signal
+    import time
+
+    pool = dep.pool
+    pool.collective_rpc("info", (), [0])
+    blocked = pool.pids()[1]
+    os.kill(blocked, signal.SIGSTOP)
+    try:
+        pool.submit_rpc("info", (), [1])          # never answered while the process is stopped
+        started = time.monotonic()
+        assert pool.end_blocked([0, 1], 2.0) == [1]
+        assert time.monotonic() - started < 10
+        assert pool.check_health() == [1]
+    finally:
+        try:
+            os.kill(blocked, signal.SIGKILL)     # ended already; never leave a stopped process behind
+        except ProcessLookupError:
+            pass
+    assert dep.recover() == [1] and blocked not in pool.pids()
 
 
 LOCAL_RAY_SCRIPT = """

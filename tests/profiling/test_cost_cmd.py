@@ -18,8 +18,10 @@ def test_profile_cost_writes_a_cost_model(tiny_checkpoint, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "MIN" in printed and "in-sample relative error" in printed and str(out) in printed
     model = CostModel.load(out)
-    coefficients = [model.alpha, model.beta, model.gamma, model.lam, model.head]
+    coefficients = [model.alpha, model.beta, model.gamma, model.lam, model.head, model.head_fixed]
     assert all(math.isfinite(c) and c >= 0 for c in coefficients)
+    assert model.head + model.head_fixed > 0      # the LM head, timed alone, costs something
+    assert "timed alone at 1, 4, 16, 64 rows" in printed
     assert model.gamma > 0                        # a forward always costs something
     assert model.alpha + model.beta > 0           # and more work costs more
     assert model.gamma >= model.lam               # a chunk costs at least what batching can share of it
