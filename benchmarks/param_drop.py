@@ -18,13 +18,16 @@ How the workload is chosen (every rule prints its numbers):
   mean, with the peak at least an eighth of the window from either end (a lead-in and a tail, so the drop and the
   restore both happen) and no idle gap longer than max(10 %, 3 mean inter-arrivals) of the window's span (a long
   idle gap would make any burst look large relative to the mean while the replay mostly sleeps).
-- Lengths: prompts x --prompt-scale and outputs x --output-scale, capped so every request (prompt + output) takes at
-  most 80 % of one data-parallel instance's KV: every request's KV stays resident on one DP instance. Outputs are
-  scaled up (x8, cap 384) because a 2-core CPU prefills at ~3 ms a token: with the trace's short outputs (x2, cap
-  96) holding 55 % of the papers'-regime KV needs the prefill at >= 90 % of the instances' time, so the queue
-  grows for compute, not memory (measured: mean KV demand 6 % of the DP capacity at weight share 0.5), and no
-  memory mechanism can help. Longer outputs hold more KV per unit of compute (a decode step at batch 64 costs
-  3.3x one at batch 1).
+- Lengths: prompts x --prompt-scale (1/4, cap 512) and outputs x --output-scale (x32, cap 768), capped so every
+  request (prompt + output) takes at most 80 % of one data-parallel instance's KV: every request's KV stays
+  resident on one DP instance. The code trace is prefill-heavy (median 1,240 prompt tokens, 13 outputs); a 2-core
+  CPU prefills at ~2 ms a token and a decode step at batch 64 costs 3.3x one at batch 1, so with short outputs
+  holding 55 % of the papers'-regime KV needs the prefill at >= 90 % of the instances' time: the queue grows for
+  compute, not memory, and no drop ever happens (measured with x8 / cap 384 outputs and prompts x1/16: mean KV
+  demand 23 % of the DP capacity, no drop at either share). Decode-heavy requests (the papers' conversation
+  workloads) hold more KV per unit of compute: at these defaults the prefill takes ~12 % of an instance's time and
+  the largest burst of the window asks for ~60 % of the DP capacity on top of the mean (at weight share 0.5; at
+  0.3 the same burst is ~26 % of a KV 2.3x larger and overflows nothing: a larger --num-requests window is needed).
 - Time scale (KunServe §5.1: the mean memory demand stays below 60 % of the memory): the mean arrival rate r is
   solved so that the mean KV demand (Little's law: r x the mean KV token-seconds of a request) is --target-util
   (55 %) of the DP capacity. A request's KV token-seconds are its prefill time x its prompt plus its decode time x
@@ -612,12 +615,14 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=str(result_path("param_drop.png")),
                     help="TTFT over arrival time per config, median run, one file per regime ('' for none)")
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    ap.add_argument("--prompt-scale", type=float, default=1 / 16, help="factor on trace prompt tokens")
-    ap.add_argument("--output-scale", type=float, default=8.0, help="factor on trace output tokens")
-    ap.add_argument("--max-prompt-tokens", type=int, default=256, help="prompt cap (shrunk to fit an instance)")
-    ap.add_argument("--max-output-tokens", type=int, default=384, help="output cap (shrunk to fit an instance)")
+    ap.add_argument("--prompt-scale", type=float, default=0.25, help="factor on trace prompt tokens")
+    ap.add_argument("--output-scale", type=float, default=32.0, help="factor on trace output tokens")
+    ap.add_argument("--max-prompt-tokens", type=int, default=512, help="prompt cap (shrunk to fit an instance)")
+    ap.add_argument("--max-output-tokens", type=int, default=768, help="output cap (shrunk to fit an instance)")
     ap.add_argument("--target-util", type=float, default=0.55, help="mean KV demand / DP capacity (KunServe: < 60%%)")
     ap.add_argument("--slo-scale", type=float, default=5.0, help="SLO = this x the DP's unloaded TTFT / TPOT")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="calibrate, print each regime's workload plan (rate, lengths, burst) and exit")
     ap.add_argument("--restore-wait", type=float, default=30.0,
                     help="seconds to wait after the replay for a drop / merge still in effect to restore")
     args = ap.parse_args(argv)
@@ -645,8 +650,8 @@ def main(argv=None) -> int:
           f"(burst factor {window.burst_factor:.1f}x the mean)")
 
     regimes = [None] if args.kv_cache_memory is not None else shares
-    phases = 1 + len(regimes) * len(configs) * args.runs
-    want_profile = args.cost_profile is None and any(c in DROP_CONFIGS for c in configs)
+    phases = 1 + (0 if args.plan_only else len(regimes) * len(configs) * args.runs)
+    want_profile = args.cost_profile is None and not args.plan_only and any(c in DROP_CONFIGS for c in configs)
     with tqdm(total=phases + want_profile, desc="param_drop", unit="phase") as bar:
         cost_profile = profile_cost(args, bar) if want_profile else args.cost_profile
         if not want_profile and cost_profile is not None:
@@ -672,6 +677,8 @@ def main(argv=None) -> int:
                 kv = kv_bytes_for_share(weights, share)
             regime_args = argparse.Namespace(**{**vars(args), "kv_cache_memory": kv})
             requests, capacity_tokens, hysteresis = plan_regime(regime_args, window, cal, weights, share)
+            if args.plan_only:
+                continue
             runs: dict[str, list[Run]] = {name: [] for name in configs}
             for r in range(args.runs):
                 for name in configs:
