@@ -19,6 +19,11 @@ class DropPlan:
     freed_bytes: int
     demand_bytes: int
 
+    @property
+    def covers_demand(self) -> bool:
+        """False: every group merged and the demand still exceeds what that frees (the rest queues, §4.1)."""
+        return self.freed_bytes >= self.demand_bytes
+
 
 @dataclass(frozen=True, slots=True)
 class DropRefusal:
@@ -27,23 +32,24 @@ class DropRefusal:
 
 def plan_drop(group_sizes: list[int], layer_bytes: int, demand_bytes: int) -> DropPlan | DropRefusal:
     """Fig. 6 over adjacent groups. group_sizes: workers of each current group in worker order (1: a data-parallel
-    instance with a full copy of the layers; n: an n-stage pipeline holding one copy). A refusal sends the caller
-    to the KV-centric fallback (§4.1: queue or preempt, and scale out)."""
+    instance with a full copy of the layers; n: an n-stage pipeline holding one copy). Like Fig. 6, which merges
+    until the demand is met or no pair is left, a demand larger than merging every group frees still merges them
+    all (the plan does not cover it: the rest waits in the KV-centric fallback, §4.1: queue or preempt, and scale
+    out). A refusal (one group left, or nothing to free) sends the caller to that fallback alone."""
     if not group_sizes or any(size < 1 for size in group_sizes):
         raise ValueError(f"group sizes must be >= 1 workers each, got {list(group_sizes)}")
     if demand_bytes <= 0:
         return DropRefusal(f"nothing to free: demand is {demand_bytes} bytes")
     if layer_bytes <= 0:
         return DropRefusal(f"dropping frees nothing: the decoder layers hold {layer_bytes} bytes per copy")
+    if len(group_sizes) == 1:
+        return DropRefusal(f"one group of {group_sizes[0]} workers left: nothing to merge (demand {demand_bytes} "
+                           f"bytes)")
     most = (len(group_sizes) - 1) * layer_bytes
-    if most < demand_bytes:
-        return DropRefusal(f"demand {demand_bytes} bytes exceeds the {most} bytes that merging all "
-                           f"{len(group_sizes)} groups (sizes {list(group_sizes)}) into one frees "
-                           f"({len(group_sizes) - 1} copies of {layer_bytes} bytes)")
     members = [(i,) for i in range(len(group_sizes))]
     sizes = list(group_sizes)
     freed = 0
-    while freed < demand_bytes:
+    while freed < min(demand_bytes, most):
         # The adjacent pair with the smallest merged size; min() keeps the leftmost of equal pairs.
         i = min(range(len(sizes) - 1), key=lambda k: sizes[k] + sizes[k + 1])
         members[i:i + 2] = [members[i] + members[i + 1]]

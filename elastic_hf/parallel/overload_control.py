@@ -168,7 +168,9 @@ class OverloadControl:
         if isinstance(plan, DropRefusal):
             return self._refused("drop", plan.reason)
         target = [self.group_shape(n) for n in plan.new_sizes]
-        return self._reshape("drop", target, defer_kv=self.policy.exchange == "coordinated")
+        # A plan that does not cover the demand merges every group (Fig. 6 runs out of pairs): the rest queues.
+        return self._reshape("drop", target, defer_kv=self.policy.exchange == "coordinated",
+                             extra={"demand_bytes": plan.demand_bytes, "planned_free_bytes": plan.freed_bytes})
 
     def tp_merge(self) -> ReshapeReport | None:
         """Merge neighbouring TP1 instances in pairs into TP2 ones (each worker then holds half of the weights)."""

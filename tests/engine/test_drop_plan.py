@@ -1,5 +1,5 @@
 """Drop plans (KunServe §4.1, Fig. 6) over adjacent groups: the smallest adjacent pair merges first, every merge
-frees one copy of the decoder layers until the demand is met, a demand too large is refused with its numbers; the
+frees one copy of the decoder layers until the demand is met or every group merged; refusals carry their numbers; the
 stage split of a merged pipeline gives the LM head stage fewer layers."""
 from __future__ import annotations
 
@@ -42,11 +42,17 @@ def test_freed_covers_the_demand_with_as_few_merges_as_needed(demand_copies):
     assert plan.new_sizes == tuple(sum(sizes[i] for i in group) for group in plan.groups)
 
 
+def test_a_demand_beyond_every_merge_merges_all_and_leaves_the_rest_queued():
+    """Fig. 6 merges until the demand is met or no pair is left: a burst larger than all the replicated copies
+    still gets every copy (the rest waits, §4.1), not a refusal that leaves all of it queued."""
+    plan = plan_drop([1, 1, 1], layer_bytes=GiB, demand_bytes=3 * GiB)
+    assert plan == DropPlan(groups=((0, 1, 2),), new_sizes=(3,), freed_bytes=2 * GiB, demand_bytes=3 * GiB)
+    assert not plan.covers_demand and plan_drop([1, 1, 1], GiB, 2 * GiB).covers_demand
+
+
 def test_refusals_say_why_with_the_numbers():
-    refusal = plan_drop([1, 1, 1], layer_bytes=GiB, demand_bytes=3 * GiB)
-    assert isinstance(refusal, DropRefusal)
-    assert str(3 * GiB) in refusal.reason and str(2 * GiB) in refusal.reason and "[1, 1, 1]" in refusal.reason
-    assert isinstance(plan_drop([4], GiB, 1), DropRefusal)   # one group left: nothing to merge
+    refusal = plan_drop([4], GiB, 1)   # one group left: nothing to merge
+    assert isinstance(refusal, DropRefusal) and "one group of 4 workers" in refusal.reason
     assert "demand is 0" in plan_drop([1, 1], GiB, 0).reason
     assert "-5 bytes" in plan_drop([1, 1], -5, GiB).reason
     with pytest.raises(ValueError, match=r"\[1, 0\]"):
