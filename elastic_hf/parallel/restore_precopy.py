@@ -58,10 +58,12 @@ def plan_precopy(dep, target) -> tuple[PreCopy, list[BlockMove], dict[int, int]]
     return PreCopy(managers, pinned), copies, pool_blocks
 
 
-def start_precopy(dep, target, cpu_share: float) -> tuple[PreCopy, list[tuple[object, int]], int, list[int]] | None:
+def start_precopy(dep, target, cpu_share: float, footprints: list[dict]
+                  ) -> tuple[PreCopy, list[tuple[object, int]], int, list[int]] | None:
     """Plan the copy, give the serving KV managers' free blocks for the new pools, and start the copy on the workers
-    of the changing instances. Returns (PreCopy, the blocks given back per KV manager, blocks copied, the workers
-    that copy), or None with nothing changed."""
+    of the changing instances (`footprints`: every worker's reshape_footprint to target, as the prewarm asked).
+    Returns (PreCopy, the blocks given back per KV manager, blocks copied, the workers that copy), or None with
+    nothing changed."""
     planned = plan_precopy(dep, target)
     if planned is None:
         return None
@@ -70,7 +72,6 @@ def start_precopy(dep, target, cpu_share: float) -> tuple[PreCopy, list[tuple[ob
         return None
     workers = list(range(dep.config.num_workers))
     pool = dep.pool
-    footprints = pool.call_many(workers, "reshape_footprint", dep.topology, target)
     reports = dep.memory_report()
     need = {}
     for w, fp, r in zip(workers, footprints, reports):

@@ -25,9 +25,11 @@ STALE_BOUNDARIES = 16   # commit the restore anyway (its prepare joins whatever 
 
 class RestorePrewarm:
     def __init__(self, deployment, target: Topology, shrunk: list[tuple[object, int]], loading: list[int],
-                 cpu_share: float = 1.0):
+                 footprints: list[dict], cpu_share: float = 1.0):
         self.dep = deployment
         self.target = target
+        self.footprints = footprints         # each worker's reshape_footprint to target (the topology cannot change
+        #                                      while the prewarm lives: any reshape cancels it first)
         self.workers = list(range(deployment.config.num_workers))
         self.shrunk = shrunk                 # (KV manager, blocks given back) per instance
         self.loading = loading               # the workers that load layers
@@ -60,7 +62,7 @@ class RestorePrewarm:
             return None
         log.info("restore prewarm: loading the layers of %s beside the steps (%d KV blocks given back)", target,
                  sum(n for _, n in shrunk))
-        return cls(deployment, target, shrunk, loading, cpu_share)
+        return cls(deployment, target, shrunk, loading, footprints, cpu_share)
 
     def note(self, worker: int, report: dict | None) -> None:
         """A worker's load (and copy) state as its pipeline step returned it (None: a step that ended before the
@@ -84,7 +86,7 @@ class RestorePrewarm:
         loaded = self.done.issuperset(self.loading)
         if loaded and self.copy_started is None:
             self.copy_started = time.perf_counter()
-            started = restore_precopy.start_precopy(self.dep, self.target, self.cpu_share)
+            started = restore_precopy.start_precopy(self.dep, self.target, self.cpu_share, self.footprints)
             if started is not None:
                 self.precopy, shrunk, self.copy_blocks, self.copying = started
                 self.shrunk.extend(shrunk)
