@@ -169,8 +169,13 @@ class OverloadControl:
             return self._refused("drop", plan.reason)
         target = [self.group_shape(n) for n in plan.new_sizes]
         # A plan that does not cover the demand merges every group (Fig. 6 runs out of pairs): the rest queues.
+        # allow_preemption: until the exchange ends a worker holds its old live KV, the new pool and the new weights
+        # at once, which a KV filled past ~2/3 of its budget cannot (the in-place exchange of KunServe §4.2 is not
+        # built); the youngest running requests then go over without their KV (recomputed, counted in the history)
+        # rather than the whole drop being refused while every queued request waits.
         return self._reshape("drop", target, defer_kv=self.policy.exchange == "coordinated",
-                             extra={"demand_bytes": plan.demand_bytes, "planned_free_bytes": plan.freed_bytes})
+                             extra={"demand_bytes": plan.demand_bytes, "planned_free_bytes": plan.freed_bytes},
+                             allow_preemption=True)
 
     def tp_merge(self) -> ReshapeReport | None:
         """Merge neighbouring TP1 instances in pairs into TP2 ones (each worker then holds half of the weights)."""
@@ -263,7 +268,7 @@ class OverloadControl:
         return InstanceShape(1, n, stage_split(num_layers, n, layer_cost, head_cost))
 
     def _reshape(self, kind: str, target, defer_kv: bool = False, extra: dict | None = None,
-                 precopy=None) -> ReshapeReport | None:
+                 precopy=None, allow_preemption: bool = False) -> ReshapeReport | None:
         if self.prewarm is not None:   # a restore's layers were loading: another reshape comes first
             self.prewarm.cancel()
             self.prewarm = None
@@ -272,7 +277,8 @@ class OverloadControl:
         # the reshape's own entry goes before whatever the exchange logged meanwhile, in commit order.
         position = len(self.history)
         try:
-            report = run_reshape(self.dep, target, defer_kv=defer_kv, precopy=precopy)
+            report = run_reshape(self.dep, target, defer_kv=defer_kv, precopy=precopy,
+                                 allow_preemption=allow_preemption)
         except (ValueError, ReshapeAborted) as exc:
             outcome = "rolled_back" if isinstance(exc, ReshapeAborted) else "refused"
             if kind == "drop":
@@ -297,6 +303,7 @@ class OverloadControl:
                                        "seconds": round(time.perf_counter() - started, 4),
                                        "dropped_weight_bytes": [max(0, b - n)
                                                                 for b, n in zip(self.base_weights, weights)],
+                                       "preempted": len(report.preempted),
                                        **(extra or {})})
         return report
 

@@ -110,6 +110,32 @@ def test_drop_restore_drop_keeps_greedy_tokens_without_reprefill(drop_checkpoint
         assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
 
 
+def test_a_drop_into_a_nearly_full_kv_preempts_the_youngest_instead_of_being_refused(drop_checkpoint, reference):
+    """Until its exchange ends a member holds its old KV pool, the new one and the new weights at once: with the KV
+    ~90 % full (a KV-bound burst) that exceeds the budget, and the drop used to be refused every time, leaving
+    every queued request waiting. Now the youngest running requests go over without their KV (recomputed, in the
+    drop's history entry), the rest are exchanged; every request still ends with HF's greedy tokens."""
+    ref, tokenizer = reference
+    prompts = mixed_prompts(tokenizer, 26, 880, 960, seed=41)
+    with _model(drop_checkpoint, kv_cache_memory=16 << 20, max_num_seqs=16, max_num_batched_tokens=1024) as model:
+        dep = model.deployment
+        run, ids = _started(dep, prompts)
+        while any(i.engine.scheduler.waiting for i in dep.instances) or any(
+                s.num_computed_tokens < s.num_prompt_tokens for i in dep.instances for s in i.engine.scheduler.running):
+            run.step()
+        used = [i.engine.scheduler.kv.num_used / i.engine.scheduler.kv.num_total for i in dep.instances]
+        assert min(used) > 0.8, used
+        report = model.drop()
+        assert report is not None and report.committed and str(dep.topology).startswith("[1x2")
+        entry = [h for h in dep.overload.history if h["event"] == "drop"][-1]
+        assert report.preempted and entry["preempted"] == len(report.preempted) <= len(prompts) // 2, entry
+        run.until(ids)
+    preempted = set(report.preempted)
+    checked = [(rid, p) for rid, p in zip(ids, prompts) if rid in preempted][:3] + list(zip(ids, prompts))[:2]
+    for rid, prompt in checked:
+        assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
+
+
 @pytest.mark.outer_only   # the drop path of the first test, measured
 def test_drop_frees_the_layers_bytes_for_kv_blocks(drop_checkpoint, reference):
     ref, tokenizer = reference
