@@ -199,12 +199,19 @@ def fit_head(timings: list[tuple[int, float]]) -> tuple[float, float]:
     non-negative straight-line fit (relative residuals, as `fit`)."""
     if len({rows for rows, _ in timings}) < 2:
         raise ValueError(f"fitting the head needs timings at >= 2 row counts, got {sorted({r for r, _ in timings})}")
-    times = np.array([t for _, t in timings], dtype=np.float64)
+    per_row, fixed = _fit_line(timings, "head rows", "head timings")
+    return fixed, per_row
+
+
+def _fit_line(points: list[tuple[float, float]], x_name: str, what: str) -> tuple[float, float]:
+    """(slope, intercept) of seconds = slope * x + intercept over (x, seconds) points: relative residuals, both
+    clamped at 0 (the least squares of `fit` on two regressors)."""
+    times = np.array([t for _, t in points], dtype=np.float64)
     if np.any(times <= 0):
-        raise ValueError(f"head timings must be > 0; got min {times.min()}")
-    features = np.array([[float(rows), 1.0] for rows, _ in timings], dtype=np.float64)
-    per_row, fixed = _nonnegative_lstsq(features / times[:, None], np.ones_like(times), ["head rows", "intercept"])
-    return float(fixed), float(per_row)
+        raise ValueError(f"{what} must be > 0; got min {times.min()}")
+    features = np.array([[float(x), 1.0] for x, _ in points], dtype=np.float64)
+    slope, intercept = _nonnegative_lstsq(features / times[:, None], np.ones_like(times), [x_name, "intercept"])
+    return float(slope), float(intercept)
 
 
 def fit_features(rows: list[list[float]], seconds: list[float], num_layers: int, *, source: str = "",
@@ -277,12 +284,9 @@ def fit_token_linear(samples: list[Sample]) -> TokenLinearModel:
     """time = per_token * tokens + fixed by the same relative least squares as `fit` (both clamped at 0)."""
     if len(samples) < 2:
         raise ValueError(f"fitting time = a * tokens + b needs at least 2 measured micro-batches, got {len(samples)}")
-    times = np.array([t for _, t in samples], dtype=np.float64)
-    if np.any(times <= 0):
-        raise ValueError(f"measured times must be > 0; got min {times.min()}")
-    features = np.array([[sum(c.tokens for c in chunks), 1.0] for chunks, _ in samples], dtype=np.float64)
-    per_token, fixed = _nonnegative_lstsq(features / times[:, None], np.ones_like(times), ["tokens", "intercept"])
-    return TokenLinearModel(float(per_token), float(fixed))
+    per_token, fixed = _fit_line([(sum(c.tokens for c in chunks), t) for chunks, t in samples], "tokens",
+                                 "measured times")
+    return TokenLinearModel(per_token, fixed)
 
 
 def relative_errors(model, samples: list[Sample]) -> list[float]:
