@@ -20,9 +20,10 @@ KV_OWNER = "kv/kv_manager.py"
 ALLOCATOR_MODULE = "kv/block_allocator.py"
 KV_MUTATORS = {"allocate", "free", "share", "hold", "release_held", "grow", "shrink", "shrink_to", "reset"}
 POOL_RESIZERS = {"attach_blocks", "detach_blocks"}
-# Where pages of a pool are committed or decommitted: the pool (applying a KVManager's KVResize) and a reshape's
-# commit, which grows a new pool to its planned manager's capacity.
-POOL_RESIZE_EXECUTORS = {"kv/page_pool.py", "parallel/worker_reshape.py"}
+# Where pages of a pool are committed or decommitted: the pool (applying a KVManager's KVResize), a reshape's
+# commit, which grows a new pool to its planned manager's capacity, and a drop's exchange, which gives back the
+# retired old pool's blocks (no KVManager owns it any more) chunk by chunk.
+POOL_RESIZE_EXECUTORS = {"kv/page_pool.py", "parallel/worker_reshape.py", "parallel/worker_exchange.py"}
 POLICY_MODULES = ["engine/routing.py", "engine/overload.py", "engine/drop_plan.py", "engine/lookahead.py",
                   "morph/controller.py", "morph/monitor.py"]
 POLICY_MUST_NOT_REACH = {"engine", "runner", "scheduler", "deployment", "dep", "pool", "instances"}

@@ -91,9 +91,11 @@ class KVPagePool:
         for start, end in runs:
             self.arena.decommit(start * page, (end - start) * page)
 
-    def attach_blocks(self, num_blocks: int) -> list[int]:
+    def attach_blocks(self, num_blocks: int, commit: bool = True) -> list[int]:
         """Commit `num_blocks` unattached slots (lowest ids first); returns their ids for the control plane's
-        allocator."""
+        allocator. commit=False: attach them without their pages, which `commit_blocks` commits before anything is
+        written there (a KV exchange's destination blocks, committed chunk by chunk as the old pool gives pages
+        back: kv/exchange_schedule.py)."""
         slots = [b for b in range(self.max_blocks) if b not in self._attached][:num_blocks]
         if len(slots) < num_blocks:
             raise ValueError(f"cannot attach {num_blocks} blocks: {self.max_blocks - len(self._attached)} slots "
@@ -101,12 +103,22 @@ class KVPagePool:
         committed: list[int] = []
         try:
             for block_id in slots:
-                self._commit_block(block_id)
+                if commit:
+                    self._commit_block(block_id)
                 committed.append(block_id)
         finally:
             self._attached.update(committed)
             self._prefix = None
         return committed
+
+    def commit_blocks(self, block_ids) -> None:
+        """Commit the pages of attached blocks (those attach_blocks(commit=False) left without; pages already
+        committed cost nothing)."""
+        unknown = [b for b in block_ids if b not in self._attached]
+        if unknown:
+            raise ValueError(f"blocks {unknown[:8]} are not attached ({len(self._attached)} attached)")
+        for block_id in block_ids:
+            self._commit_block(block_id)
 
     def attachable_within(self, nbytes: int) -> int:
         """How many blocks attach_blocks could attach with `nbytes` of budget: the lowest free slots, counting only

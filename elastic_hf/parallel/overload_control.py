@@ -169,10 +169,10 @@ class OverloadControl:
             return self._refused("drop", plan.reason)
         target = [self.group_shape(n) for n in plan.new_sizes]
         # A plan that does not cover the demand merges every group (Fig. 6 runs out of pairs): the rest queues.
-        # allow_preemption: until the exchange ends a worker holds its old live KV, the new pool and the new weights
-        # at once, which a KV filled past ~2/3 of its budget cannot (the in-place exchange of KunServe §4.2 is not
-        # built); the youngest running requests then go over without their KV (recomputed, counted in the history)
-        # rather than the whole drop being refused while every queued request waits.
+        # allow_preemption: where the new layout cannot hold every running request's KV (a stage with more layers
+        # than half, or an exchange whose chunked peak, kv/exchange_schedule.py, exceeds a member's budget) the
+        # youngest running requests go over without their KV (recomputed, counted in the history) rather than the
+        # whole drop being refused while every queued request waits.
         return self._reshape("drop", target, defer_kv=self.policy.exchange == "coordinated",
                              extra={"demand_bytes": plan.demand_bytes, "planned_free_bytes": plan.freed_bytes},
                              allow_preemption=True)

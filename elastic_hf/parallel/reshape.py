@@ -107,8 +107,8 @@ class PreCopy:
 
 def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tuple], int],
                  num_kv_heads: int, num_layers: int, weights_source: str, allow_preemption: bool = False,
-                 footprints: list[dict] | None = None,
-                 precopy: PreCopy | None = None) -> tuple[ReshapePlan, RequestPlacement]:
+                 footprints: list[dict] | None = None, precopy: PreCopy | None = None,
+                 defer_kv: bool = False) -> tuple[ReshapePlan, RequestPlacement]:
     """Instances whose workers and layout (TP x PP, layer split) do not change keep their engine, pool and block
     ids (and may receive requests, e.g. from a worker going to standby). Every request of a changing instance goes
     to a new instance that shares a worker with it (local heads stay local) or, failing that, to any;
@@ -121,11 +121,12 @@ def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tu
     ValueError (nothing has changed then). A request no new instance could ever hold is always a ValueError.
 
     precopy: a restore whose full blocks were copied beside the steps: its KV managers are the new instances',
-    its still valid sequences go where they were copied to, and the plan's transfers move only the rest."""
+    its still valid sequences go where they were copied to, and the plan's transfers move only the rest.
+    defer_kv: a parameter drop's plan, whose KV moves after the commit point (parallel/kv_exchange.py)."""
     forced: set[str] = set()
     while True:
         plan, placement = _place(instances, old, new, capacity, num_kv_heads, num_layers, weights_source,
-                                 allow_preemption, forced, precopy)
+                                 allow_preemption, forced, precopy, defer_kv)
         over = transition_overflow(plan, footprints) if footprints is not None else []
         if not over:
             return plan, placement
@@ -133,9 +134,9 @@ def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tu
         movable = [r for _, r in _changing_requests(instances, plan.kept) if r.request_id not in placement.preempted]
         if not allow_preemption or not movable:
             worker, need, budget = over[0]
-            raise ValueError(f"reshape {old} -> {new}: worker {worker} would need {format_bytes(need)} before the "
-                             f"commit point (old live KV, migrated KV and new weights at once) with a budget of "
-                             f"{format_bytes(budget)}")
+            when = "during its KV exchange" if defer_kv else "before the commit point"
+            raise ValueError(f"reshape {old} -> {new}: worker {worker} would need {format_bytes(need)} {when} (old "
+                             f"live KV, migrated KV and new weights) with a budget of {format_bytes(budget)}")
         forced.add(movable[-1].request_id)   # the youngest goes over without its KV
 
 
@@ -148,7 +149,7 @@ def _changing_requests(instances, kept: dict[int, int]) -> list[tuple[int, Reque
 
 def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int, num_layers: int,
            weights_source: str, allow_preemption: bool, forced: set[str],
-           precopy: PreCopy | None = None) -> tuple[ReshapePlan, RequestPlacement]:
+           precopy: PreCopy | None = None, defer_kv: bool = False) -> tuple[ReshapePlan, RequestPlacement]:
     new_instances = new.instances()
     new_keys, old_keys = new.instance_keys(), old.instance_keys()
     kept = {new_idx: old_keys.index(key) for new_idx, key in enumerate(new_keys) if key in old_keys}
@@ -220,7 +221,7 @@ def _place(instances, old: Topology, new: Topology, capacity, num_kv_heads: int,
         live_new = {idx: 1 + max((b for m in moves if m.dst_instance == idx for b in m.dst_blocks), default=-1)
                     for idx in changing}
         plan = ReshapePlan(old, new, moves, transfers, live_old, live_new, num_total, seq_moves, kept,
-                           weights_source, precopied=precopy is not None)
+                           weights_source, defer_kv=defer_kv, precopied=precopy is not None)
     except BaseException:
         placement.release_taken()
         raise
@@ -302,9 +303,9 @@ def run_reshape(deployment, target, weights_source: str | None = None, allow_pre
     workers = list(range(deployment.config.num_workers))
     footprints = pool.call_many(workers, "reshape_footprint", old, new)
     plan, placement = plan_reshape(deployment.instances, old, new, deployment.capacity, deployment.num_kv_heads,
-                                   deployment.num_layers, weights_source, allow_preemption, footprints, precopy)
+                                   deployment.num_layers, weights_source, allow_preemption, footprints, precopy,
+                                   defer_kv)
     plan.overlap_weights = overlap_weights
-    plan.defer_kv = defer_kv
     try:
         stats = pool.call_many(workers, RESHAPE_PHASES[0], plan)
         for phase in RESHAPE_PHASES[1:]:

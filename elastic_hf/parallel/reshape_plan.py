@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from elastic_hf.topology import Topology
+from elastic_hf.kv.exchange_schedule import EXCHANGE_CHUNKS, exchange_peak_bytes, exchange_schedule
 from elastic_hf.kv.migration_plan import BlockMove, KVTransfer
 from elastic_hf.kv.layout import block_page_span
 
@@ -28,6 +29,7 @@ class ReshapePlan:
     # A parameter drop (KunServe §4.2): the KV moves after the commit point, beside the steps, while the
     # new instance already serves queued requests (parallel/kv_exchange.py); the old pools live until then.
     defer_kv: bool = False
+    exchange_chunks: int = EXCHANGE_CHUNKS     # the deferred exchange's chunks (kv/exchange_schedule.py)
     # A restore whose full KV blocks were copied beside the steps (restore_precopy.py): `transfers` move only the
     # blocks written since, into the pools the workers made for the copy.
     precopied: bool = False
@@ -57,18 +59,25 @@ def _pages_of(block_ids, block_bytes: int, page_size: int) -> int:
 def transition_overflow(plan: ReshapePlan, footprints: list[dict]) -> list[tuple[int, int, int]]:
     """(worker, bytes needed, budget) of every changing worker whose budget the transaction would exceed before the
     commit point: the larger of its weights while the KV migrates and after the weights phase, its old pool's live
-    blocks, its new pool's blocks and the morph headroom. footprints[w]: Worker.reshape_footprint(old, new)."""
+    blocks and its new pool's blocks (a deferred exchange: the most it commits at once, chunk by chunk) and the
+    morph headroom. footprints[w]: Worker.reshape_footprint(old, new)."""
     over = []
     for worker, fp in enumerate(footprints):
         old_role, new_role = plan.old.role(worker), plan.new.role(worker)
         if plan.is_kept(worker) or (old_role is None and new_role is None):
             continue
         page = fp["page_size"]
-        old_kv = _pages_of(plan.live_old_blocks[old_role.instance], fp["old_block_bytes"], page) * page \
-            if old_role else 0
-        new_kv = _pages_of(range(plan.num_live_new_blocks[new_role.instance]), fp["new_block_bytes"], page) * page \
-            if new_role else 0
-        need = max(fp["weights_mid_bytes"], fp["weights_after_bytes"]) + old_kv + new_kv + fp["headroom_bytes"]
+        if plan.defer_kv and old_role and new_role:
+            # The exchange commits the new pool chunk by chunk as it gives the old one back (exchange_schedule.py)
+            kv = exchange_peak_bytes(exchange_schedule(plan.transfers, worker, plan.exchange_chunks),
+                                     plan.live_old_blocks[old_role.instance], fp["old_block_bytes"],
+                                     fp["new_block_bytes"], page, plan.num_live_new_blocks[new_role.instance])
+        else:
+            kv = (_pages_of(plan.live_old_blocks[old_role.instance], fp["old_block_bytes"], page) if old_role else 0) \
+                + (_pages_of(range(plan.num_live_new_blocks[new_role.instance]), fp["new_block_bytes"], page)
+                   if new_role else 0)
+            kv *= page
+        need = max(fp["weights_mid_bytes"], fp["weights_after_bytes"]) + kv + fp["headroom_bytes"]
         if need > fp["budget_bytes"]:
             over.append((worker, need, fp["budget_bytes"]))
     return over

@@ -1,15 +1,17 @@
 """A worker's part of a coordinated KV exchange (KunServe §4.2): after a parameter drop commits, the KV of running
-requests for layers now owned by a peer is sent, not recomputed. The old pool (all layers of the requests this
-worker ran) stays alive until the exchange ends.
+requests for layers now owned by a peer is sent, not recomputed. It moves in chunks (kv/exchange_schedule.py): the
+new pool's pages for a chunk's destination blocks are committed just before it and the old pool's (all layers of
+the requests this worker ran) for the blocks it read last go back just after it, so the member never holds both
+pools whole; the old pool is closed when the exchange ends.
 
 The transfer runs on a thread of its own, concurrently with the steps the main thread keeps running for the queued
 requests (the steps never touch the parked requests' blocks, the only rows the exchange writes), over a process
-group of its own (parallel/groups.py), last layer first. While a step runs, the thread holds itself to `cpu_share` of
+group of its own (parallel/groups.py), each chunk last layer first. While a step runs, the thread holds itself to `cpu_share` of
 one core: after a layer that took t seconds of its CPU time it sleeps t * (1 - share) / share, so the step keeps the
 rest of the core; with no step running it moves at full speed. Each pipeline step returns `report()` with its stage
 stats (an idle deployment asks `progress`), and the control plane calls `finish` once every worker is done, which
-returns the old pool's pages to the budget (the instance's KV manager then grows its serving pool into them;
-`room_blocks` says how far). Reached as "exchange.<method>" through the worker's
+returns the rest of the old pool's pages to the budget (the instance's KV manager then grows its serving pool into
+them; `room_blocks` says how far, less what the chunks still commit while the exchange runs). Reached as "exchange.<method>" through the worker's
 RPC."""
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import queue
 import threading
 import time
 
+from elastic_hf.kv.exchange_schedule import ExchangeChunk, exchange_peak_bytes, exchange_schedule
 from elastic_hf.kv.migration_plan import KVTransfer
 from elastic_hf.parallel.kv_migration import migrate_kv
 
@@ -43,6 +46,8 @@ class KVExchangeParticipant:
     def __init__(self, worker):
         self.worker = worker
         self._transfers: list[KVTransfer] | None = None
+        self._chunks: list[ExchangeChunk] = []
+        self._reserved_bytes = 0   # what the chunks still commit beyond what the pools hold at the start
         self._src = self._dst = None
         self._src_head = self._dst_head = 0
         self._fault_after_layers: int | None = None
@@ -66,15 +71,26 @@ class KVExchangeParticipant:
         return self._transfers is not None
 
     def begin(self, transfers: list[KVTransfer], src_pool, src_head_start: int, dst_pool,
-              dst_head_start: int, close_source: bool = True) -> None:
+              dst_head_start: int, close_source: bool = True, chunks: list[ExchangeChunk] | None = None) -> None:
         """Called at the commit point of a deferred-KV plan: src_pool is the old pool (or the kept pool itself),
         dst_pool the pool the worker now serves from. Nothing moves before `start`. close_source=False: src_pool
-        still serves (a restore's KV copied ahead of its commit, restore_prewarm.py) and outlives the exchange."""
+        still serves (a restore's KV copied ahead of its commit, restore_prewarm.py) and outlives the exchange.
+        chunks: this worker's part of the plan's exchange_schedule, whose destination blocks dst_pool attached
+        without committing them (a parameter drop): each chunk commits its own, and the old pool gives back the
+        blocks it read last; None: one chunk into a committed pool."""
+        me = self.worker.me
         if self._transfers is not None:
-            raise RuntimeError(f"worker {self.worker.me} already has a KV exchange in flight")
-        self._transfers = [t for t in transfers if self.worker.me in (t.src_worker, t.dst_worker)]
+            raise RuntimeError(f"worker {me} already has a KV exchange in flight")
+        self._transfers = [t for t in transfers if me in (t.src_worker, t.dst_worker)]
+        self._chunks = chunks if chunks is not None else exchange_schedule(self._transfers, me, 1, False)
         self._src, self._src_head, self._dst, self._dst_head = src_pool, src_head_start, dst_pool, dst_head_start
         self._close_source = close_source
+        self._reserved_bytes = 0
+        if chunks is not None and src_pool is not None and dst_pool is not None:
+            page = dst_pool.arena.page_size
+            peak = exchange_peak_bytes(chunks, src_pool.attached_ids(), src_pool.layout.block_bytes,
+                                       dst_pool.layout.block_bytes, page)
+            self._reserved_bytes = max(0, peak - src_pool.committed_bytes)
 
     def arm_fault(self, after_layers: int | None) -> None:
         """End this process after `after_layers` more layers of the exchange (a failure drill: a group member dies
@@ -110,9 +126,19 @@ class KVExchangeParticipant:
         if not self._transfers:   # not part of this exchange's transfers (e.g. a kept peer with none)
             return
         group = self.worker.groups.exchange
+        after_layer = self._after_layer(time.perf_counter())
+        moved = dict.fromkeys(("sent_bytes", "received_bytes", "local_bytes"), 0)   # by the chunks before
         try:
-            migrate_kv(self._transfers, self.worker.me, self._src, self._src_head, self._dst, self._dst_head,
-                       group=group, after_layer=self._after_layer(time.perf_counter()))
+            for chunk in self._chunks:
+                if chunk.commit_blocks:
+                    self._dst.commit_blocks(chunk.commit_blocks)
+                stats = migrate_kv(chunk.transfers, self.worker.me, self._src, self._src_head, self._dst,
+                                   self._dst_head, group=group,
+                                   after_layer=lambda s: after_layer({k: moved[k] + s[k] for k in moved}))
+                for key in moved:
+                    moved[key] += stats[key]
+                if chunk.release_blocks:
+                    self._src.detach_blocks(list(chunk.release_blocks))   # their pages go back to the budget
         except ExchangeStopped:
             pass
         except BaseException as exc:  # noqa: BLE001 - reported through progress(); the control plane recovers
@@ -196,6 +222,12 @@ class KVExchangeParticipant:
     def _release_source(self) -> None:
         if self._src is not None and self._src is not self._dst and self._close_source:
             self._src.arena.close()
+        lazy = [b for c in self._chunks for b in c.commit_blocks]
+        if lazy and not self._dst.arena.closed:
+            # An exchange stopped short left later chunks' blocks uncommitted: their requests are recomputed
+            # into them, so they are committed now (the old pool's pages went back first).
+            self._dst.commit_blocks([b for b in lazy if self._dst.is_attached(b)])
+        self._chunks, self._reserved_bytes = [], 0
         self._transfers = None
         self._started = False
         self._src = self._dst = None
@@ -208,5 +240,5 @@ class KVExchangeParticipant:
         pool = worker.pool
         if pool is None:
             return 0
-        free = worker.budget.free_bytes - worker.instance.headroom_bytes
+        free = worker.budget.free_bytes - worker.instance.headroom_bytes - self._reserved_bytes
         return pool.attachable_within(free)

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 
+from elastic_hf.kv.exchange_schedule import exchange_schedule, lazy_blocks
 from elastic_hf.kv.migration_plan import head_range
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.parallel.kv_migration import migrate_kv
@@ -218,7 +219,14 @@ class ReshapeParticipant:
                                f"blocks written since the pre-copy")
         if new is not None:
             live = plan.num_live_new_blocks[plan.new.role(self._me)[0]]
-            if new_pool is None:
+            if new_pool is None and plan.defer_kv and old is not None:
+                # The exchange commits the blocks it writes chunk by chunk, as the old pool gives its pages back
+                chunks = txn["chunks"] = exchange_schedule(plan.transfers, self._me, plan.exchange_chunks)
+                lazy = lazy_blocks(chunks)
+                new_pool = txn["new_pool"] = worker.instance.new_pool(new[1], new[2], 0, txn["new_layers"])
+                new_pool.attach_blocks(live, commit=False)
+                new_pool.commit_blocks([b for b in range(live) if b not in lazy])
+            elif new_pool is None:
                 new_pool = worker.instance.new_pool(new[1], new[2], live, txn["new_layers"])
             elif live > new_pool.num_blocks:
                 new_pool.attach_blocks(live - new_pool.num_blocks)
@@ -282,6 +290,8 @@ class ReshapeParticipant:
         if not txn["kept"]:
             if worker.pool is not None and not plan.defer_kv:
                 worker.pool.arena.close()
+            elif worker.pool is not None:   # only the exchange reads it now: its free blocks go for good
+                worker.pool.detach_blocks(txn["trimmed"])
             new_pool: KVPagePool | None = txn["new_pool"]
             worker.instance.set_pool(new_pool)
             new_role = plan.new.role(self._me)
@@ -292,7 +302,7 @@ class ReshapeParticipant:
         worker.topology = plan.new
         worker.apply_stage()
         if plan.defer_kv and "exchange" in txn:
-            worker.exchange.begin(plan.transfers, *txn["exchange"])
+            worker.exchange.begin(plan.transfers, *txn["exchange"], chunks=txn.get("chunks"))
         self._txn = None
         self._check_fault("committed")
         return worker.memory_report()

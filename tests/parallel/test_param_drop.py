@@ -2,6 +2,8 @@
 KV of running requests is exchanged between steps (never recomputed), queued requests run meanwhile, and the
 layers come back on restore. Exact greedy tokens against HF, the ledger and RSS against the dropped layers' bytes,
 failures before the commit point roll back, a member killed mid-exchange is replaced and its requests recomputed."""
+import time
+
 import pytest
 import torch
 
@@ -60,8 +62,10 @@ class Driver:
                 if out.finished:
                     self.done[out.request_id] = out.outputs[0].token_ids
 
-    def until(self, ids):
-        for _ in range(2000):
+    def until(self, ids, timeout_s: float = 180.0):
+        # by time, not steps: a step while every request waits for the exchange returns at once
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             if all(r in self.done for r in ids):
                 return
             self.step()
@@ -110,21 +114,30 @@ def test_drop_restore_drop_keeps_greedy_tokens_without_reprefill(drop_checkpoint
         assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
 
 
+def _nearly_full(dep, prompts):
+    """Every prompt admitted and prefilled: the KV of both instances more than 80 % full."""
+    run, ids = _started(dep, prompts)
+    while any(i.engine.scheduler.waiting for i in dep.instances) or any(
+            s.num_computed_tokens < s.num_prompt_tokens for i in dep.instances for s in i.engine.scheduler.running):
+        run.step()
+    used = [i.engine.scheduler.kv.num_used for i in dep.instances]
+    assert min(u / i.engine.scheduler.kv.num_total for u, i in zip(used, dep.instances)) > 0.8, used
+    return run, ids, used
+
+
+FULL_KV = {"kv_cache_memory": 16 << 20, "max_num_seqs": 16, "max_num_batched_tokens": 1024}
+
+
 def test_a_drop_into_a_nearly_full_kv_preempts_the_youngest_instead_of_being_refused(drop_checkpoint, reference):
-    """Until its exchange ends a member holds its old KV pool, the new one and the new weights at once: with the KV
-    ~90 % full (a KV-bound burst) that exceeds the budget, and the drop used to be refused every time, leaving
-    every queued request waiting. Now the youngest running requests go over without their KV (recomputed, in the
-    drop's history entry), the rest are exchanged; every request still ends with HF's greedy tokens."""
+    """The planner's split for this model puts 4 of 5 layers on the first stage: with the KV ~90 % full (a KV-bound
+    burst) that stage cannot hold 4/5 of every request's KV, and the drop used to be refused, leaving every queued
+    request waiting. Now the youngest running requests go over without their KV (recomputed, in the drop's history
+    entry), the rest are exchanged; every request still ends with HF's greedy tokens."""
     ref, tokenizer = reference
     prompts = mixed_prompts(tokenizer, 26, 880, 960, seed=41)
-    with _model(drop_checkpoint, kv_cache_memory=16 << 20, max_num_seqs=16, max_num_batched_tokens=1024) as model:
+    with _model(drop_checkpoint, **FULL_KV) as model:
         dep = model.deployment
-        run, ids = _started(dep, prompts)
-        while any(i.engine.scheduler.waiting for i in dep.instances) or any(
-                s.num_computed_tokens < s.num_prompt_tokens for i in dep.instances for s in i.engine.scheduler.running):
-            run.step()
-        used = [i.engine.scheduler.kv.num_used / i.engine.scheduler.kv.num_total for i in dep.instances]
-        assert min(used) > 0.8, used
+        run, ids, _ = _nearly_full(dep, prompts)
         report = model.drop()
         assert report is not None and report.committed and str(dep.topology).startswith("[1x2")
         entry = [h for h in dep.overload.history if h["event"] == "drop"][-1]
@@ -133,6 +146,34 @@ def test_a_drop_into_a_nearly_full_kv_preempts_the_youngest_instead_of_being_ref
     preempted = set(report.preempted)
     checked = [(rid, p) for rid, p in zip(ids, prompts) if rid in preempted][:3] + list(zip(ids, prompts))[:2]
     for rid, prompt in checked:
+        assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
+
+
+def test_a_drop_into_a_nearly_full_kv_exchanges_in_chunks_what_both_pools_at_once_could_not(drop_checkpoint,
+                                                                                              reference):
+    """KunServe §4.2's in-place exchange, in committed pages: the new pool's blocks are committed chunk by chunk as
+    the old pool gives its pages back, so a member never holds both pools whole. With the KV ~85 % full the two
+    pools together exceed every member's budget (the old exchange refused this plan, or preempted half of the
+    requests); now every running request is exchanged, nothing is recomputed, and the tokens are HF's."""
+    from elastic_hf.parallel.reshape import run_reshape
+
+    ref, tokenizer = reference
+    prompts = mixed_prompts(tokenizer, 26, 880, 960, seed=41)
+    with _model(drop_checkpoint, **FULL_KV) as model:
+        dep = model.deployment
+        run, ids, used = _nearly_full(dep, prompts)
+        before = dep.memory_report()
+        # allow_preemption=False: a plan whose exchange did not fit the budgets would be refused (ValueError)
+        report = run_reshape(dep, "1x2:3/2", defer_kv=True)
+        assert report.committed and not report.preempted
+        after = dep.memory_report()
+        for w, (b, a) in enumerate(zip(before, after)):
+            both_pools = sum(used) * a["kv_block_bytes"] + used[w] * b["kv_block_bytes"]
+            assert both_pools > a["budget_bytes"] - a["weights_bytes"], (w, both_pools, a)
+        run.until(ids)
+        assert dep.stats()["num_preemptions"] == 0
+        assert dep.num_computed_prompt_tokens == sum(map(len, prompts))   # every request's KV moved, none recomputed
+    for rid, prompt in list(zip(ids, prompts))[::6]:
         assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
 
 
