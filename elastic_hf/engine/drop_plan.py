@@ -9,6 +9,7 @@ tie). Two groups that each hold one full copy of the decoder layers hold one aft
 one copy (`layer_bytes`: all decoder layers of the model as one worker holds them)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -58,24 +59,34 @@ def plan_drop(group_sizes: list[int], layer_bytes: int, demand_bytes: int) -> Dr
     return DropPlan(tuple(members), tuple(sizes), freed, demand_bytes)
 
 
-def stage_split(num_layers: int, num_stages: int, layer_cost: float, head_cost: float) -> tuple[int, ...]:
+def stage_split(num_layers: int, num_stages: int, layer_cost: float, head_cost: float,
+                capacity: Callable[[tuple[int, ...]], int] | None = None, need_tokens: int = 0) -> tuple[int, ...]:
     """Decoder layers per stage of a merged pipeline that minimise the slowest stage, when the last stage also
     runs the final norm and the LM head (`head_cost`, in the unit of `layer_cost`): the last stage holds fewer
     layers. Every stage holds at least one. Among equally slow splits the most even wins (least sum of squared
     stage costs), then the one with the fewest layers on the last stage; the other stages differ by at most one
-    layer, the earlier ones holding more (topology.split_layers when head_cost is 0)."""
+    layer, the earlier ones holding more (topology.split_layers when head_cost is 0).
+
+    capacity(split): the KV tokens the pipeline would hold (its fullest stage's), need_tokens: what it must hold.
+    A drop is for KV: only splits that hold need_tokens are considered, and when none does, the one that holds the
+    most (KunServe §3 drops halves: a stage with more layers holds fewer tokens of each; on the default model the
+    head-balanced 17/13 split holds 15 % less than 15/15, which a KV-bound burst pays in queueing)."""
     if not 1 <= num_stages <= num_layers:
         raise ValueError(f"num_stages must be in [1, {num_layers}] to split {num_layers} layers, got {num_stages}")
     if layer_cost < 0 or head_cost < 0:
         raise ValueError(f"stage costs must be >= 0, got layer_cost={layer_cost} head_cost={head_cost}")
     if num_stages == 1:
         return (num_layers,)
-    best, best_key = None, None
+    candidates = []
     for last in range(1, num_layers - num_stages + 2):
         base, extra = divmod(num_layers - last, num_stages - 1)
         split = tuple(base + (stage < extra) for stage in range(num_stages - 1)) + (last,)
         costs = [n * layer_cost for n in split[:-1]] + [last * layer_cost + head_cost]
-        key = (max(costs), sum(c * c for c in costs), last)
-        if best_key is None or key < best_key:
-            best, best_key = split, key
-    return best
+        candidates.append((split, (max(costs), sum(c * c for c in costs), last)))
+    if capacity is not None:
+        held = {split: capacity(split) for split, _ in candidates}
+        enough = [c for c in candidates if held[c[0]] >= need_tokens]
+        if not enough:
+            return min(candidates, key=lambda c: (-held[c[0]], c[1]))[0]
+        candidates = enough
+    return min(candidates, key=lambda c: c[1])[0]

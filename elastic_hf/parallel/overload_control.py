@@ -27,6 +27,10 @@ from elastic_hf.units import ceil_div
 log = logging.getLogger(__name__)
 
 SPLIT_PREFIX_TOKENS = 512   # context of the decode step the cost-model split is balanced for
+# A drop's pipeline is split to hold this much more than the KV demand at the trigger: a burst is still arriving
+# then (the demand of the benchmark's bursts peaked at 1.3x the trigger's). stage_split takes the fastest split that
+# holds it, else the one that holds the most.
+SPLIT_DEMAND_MARGIN = 1.5
 
 
 class OverloadControl:
@@ -167,7 +171,9 @@ class OverloadControl:
                          max(demand_tokens, 1) * token_bytes)
         if isinstance(plan, DropRefusal):
             return self._refused("drop", plan.reason)
-        target = [self.group_shape(n) for n in plan.new_sizes]
+        demand = self.snapshot().demand_tokens
+        num_workers = sum(plan.new_sizes)
+        target = [self.group_shape(n, int(demand * SPLIT_DEMAND_MARGIN * n / num_workers)) for n in plan.new_sizes]
         # A plan that does not cover the demand merges every group (Fig. 6 runs out of pairs): the rest queues.
         # allow_preemption: where the new layout cannot hold every running request's KV (a stage with more layers
         # than half, or an exchange whose chunked peak, kv/exchange_schedule.py, exceeds a member's budget) the
@@ -252,10 +258,13 @@ class OverloadControl:
         info = self.dep.pool.call(0, "info")
         return max(1, info["kv_block_bytes_tp1"] // self.dep.config.block_size)
 
-    def group_shape(self, n: int) -> InstanceShape | int:
+    def group_shape(self, n: int, need_tokens: int = 0) -> InstanceShape | int:
+        """The shape of a merged group of n workers: the fastest layer split whose KV holds need_tokens, else the
+        one that holds the most (stage_split)."""
         if n == 1:
             return 1
-        num_layers = self.dep.num_layers
+        dep = self.dep
+        num_layers = dep.num_layers
         if self.cost_model is not None:
             from elastic_hf.engine.cost_model import Chunk
 
@@ -265,7 +274,11 @@ class OverloadControl:
             head_cost = self.cost_model.head_cost(step)
         else:
             layer_cost, head_cost = self.layer_bytes / num_layers, self.head_bytes
-        return InstanceShape(1, n, stage_split(num_layers, n, layer_cost, head_cost))
+
+        def held(split: tuple[int, ...]) -> int:   # any n workers hold what these do: they have the same budget
+            return dep.capacity((tuple(range(n)), InstanceShape(1, n, split))) * dep.config.block_size
+
+        return InstanceShape(1, n, stage_split(num_layers, n, layer_cost, head_cost, held, need_tokens))
 
     def _reshape(self, kind: str, target, defer_kv: bool = False, extra: dict | None = None,
                  precopy=None, allow_preemption: bool = False) -> ReshapeReport | None:

@@ -70,6 +70,19 @@ def test_stage_split_gives_the_head_stage_fewer_layers():
         stage_split(3, 4, 1.0, 0.0)
 
 
+def test_a_drop_split_holds_the_demand_before_it_balances_the_head():
+    """A drop is for KV: the fastest split that holds the demand, else the one that holds the most."""
+    def held(split):   # the fullest stage's tokens: a budget of 100, 2 per layer of weights, 1/10 per token-layer
+        return min((100 - 2 * n) * 10 // n for n in split)
+
+    assert (held((17, 13)), held((16, 14)), held((15, 15)), held((14, 16))) == (38, 42, 46, 42)
+    assert stage_split(30, 2, 1.0, 4.0, held, need_tokens=38) == (17, 13)   # the head-balanced one holds it
+    assert stage_split(30, 2, 1.0, 4.0, held, need_tokens=42) == (16, 14)   # the fastest of those that do
+    assert stage_split(30, 2, 1.0, 4.0, held, need_tokens=46) == (15, 15)
+    assert stage_split(30, 2, 1.0, 4.0, held, need_tokens=10 ** 6) == (15, 15)   # none does: the most
+    assert stage_split(5, 2, 1.0, 100.0, lambda split: -max(split), need_tokens=0) == (3, 2)   # a tie: the faster
+
+
 def test_stage_split_minimises_the_slowest_stage():
     import itertools
 

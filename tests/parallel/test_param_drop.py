@@ -128,20 +128,22 @@ def _nearly_full(dep, prompts):
 FULL_KV = {"kv_cache_memory": 16 << 20, "max_num_seqs": 16, "max_num_batched_tokens": 1024}
 
 
-def test_a_drop_into_a_nearly_full_kv_preempts_the_youngest_instead_of_being_refused(drop_checkpoint, reference):
-    """The planner's split for this model puts 4 of 5 layers on the first stage: with the KV ~90 % full (a KV-bound
-    burst) that stage cannot hold 4/5 of every request's KV, and the drop used to be refused, leaving every queued
-    request waiting. Now the youngest running requests go over without their KV (recomputed, in the drop's history
-    entry), the rest are exchanged; every request still ends with HF's greedy tokens."""
+def test_a_drop_whose_layout_holds_less_preempts_the_youngest_instead_of_being_refused(drop_checkpoint, reference):
+    """A split that puts 4 of 5 layers on the first stage cannot hold 4/5 of every request's KV there with the KV
+    ~90 % full: the drop used to be refused, leaving every queued request waiting. With preemption allowed (the
+    arbiter's drops) the youngest running requests go over without their KV (recomputed), the rest are exchanged;
+    every request still ends with HF's greedy tokens."""
+    from elastic_hf.parallel.reshape import run_reshape
+
     ref, tokenizer = reference
     prompts = mixed_prompts(tokenizer, 26, 880, 960, seed=41)
     with _model(drop_checkpoint, **FULL_KV) as model:
         dep = model.deployment
         run, ids, _ = _nearly_full(dep, prompts)
-        report = model.drop()
-        assert report is not None and report.committed and str(dep.topology).startswith("[1x2")
-        entry = [h for h in dep.overload.history if h["event"] == "drop"][-1]
-        assert report.preempted and entry["preempted"] == len(report.preempted) <= len(prompts) // 2, entry
+        with pytest.raises(ValueError, match="no new instance has that many free"):
+            run_reshape(dep, "1x2:4/1", defer_kv=True)
+        report = run_reshape(dep, "1x2:4/1", defer_kv=True, allow_preemption=True)
+        assert report.committed and 0 < len(report.preempted) <= len(prompts) // 2, report.preempted
         run.until(ids)
     preempted = set(report.preempted)
     checked = [(rid, p) for rid, p in zip(ids, prompts) if rid in preempted][:3] + list(zip(ids, prompts))[:2]
@@ -154,18 +156,17 @@ def test_a_drop_into_a_nearly_full_kv_exchanges_in_chunks_what_both_pools_at_onc
     """KunServe §4.2's in-place exchange, in committed pages: the new pool's blocks are committed chunk by chunk as
     the old pool gives its pages back, so a member never holds both pools whole. With the KV ~85 % full the two
     pools together exceed every member's budget (the old exchange refused this plan, or preempted half of the
-    requests); now every running request is exchanged, nothing is recomputed, and the tokens are HF's."""
-    from elastic_hf.parallel.reshape import run_reshape
-
+    requests). The arbiter's drop splits for the most KV (3/2: the head-balanced 4/1 holds less than the demand),
+    every running request is exchanged, nothing is recomputed, and the tokens are HF's."""
     ref, tokenizer = reference
     prompts = mixed_prompts(tokenizer, 26, 880, 960, seed=41)
     with _model(drop_checkpoint, **FULL_KV) as model:
         dep = model.deployment
         run, ids, used = _nearly_full(dep, prompts)
         before = dep.memory_report()
-        # allow_preemption=False: a plan whose exchange did not fit the budgets would be refused (ValueError)
-        report = run_reshape(dep, "1x2:3/2", defer_kv=True)
-        assert report.committed and not report.preempted
+        report = model.drop()
+        assert report is not None and report.committed and not report.preempted
+        assert str(dep.topology) == "[1x2:3/2]"
         after = dep.memory_report()
         for w, (b, a) in enumerate(zip(before, after)):
             both_pools = sum(used) * a["kv_block_bytes"] + used[w] * b["kv_block_bytes"]
