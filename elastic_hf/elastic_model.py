@@ -281,11 +281,11 @@ class ElasticModel:
         return self.deployment.reshape(topology, weights_source, allow_preemption)
 
     def drop(self, demand_tokens: int = 1) -> ReshapeReport | None:
-        """Parameter dropping (KunServe): merge data-parallel instances into pipeline groups that keep one copy of
-        each layer, enough of them to free `demand_tokens` of KV (1: the smallest drop); the freed pages become KV
-        blocks at once and running requests keep their KV (exchanged beside the steps, chunk by chunk so a member never
-        holds the old and new pools whole; only when the new layout cannot hold all of it do the youngest go over
-        without it, recomputed: the report's `preempted`). None when no plan exists or the transaction rolled back (the reason is in
+        """Parameter dropping (KunServe): merge data-parallel instances into pipeline groups that keep one copy of each
+        layer, enough of them to free `demand_tokens` of KV (1: the smallest drop); the freed pages become KV blocks at
+        once and running requests keep their KV (exchanged beside the steps, chunk by chunk so a member never holds the
+        old and new pools whole; only when the new layout cannot hold all of it do the youngest go over without it,
+        recomputed: the report's `preempted`). None when no plan exists or the transaction rolled back (the reason is in
         overload_state()["history"])."""
         return self.deployment.overload.drop(demand_tokens)
 

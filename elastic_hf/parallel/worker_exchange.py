@@ -1,18 +1,18 @@
 """A worker's part of a coordinated KV exchange (KunServe §4.2): after a parameter drop commits, the KV of running
 requests for layers now owned by a peer is sent, not recomputed. It moves in chunks (kv/exchange_schedule.py): the
-new pool's pages for a chunk's destination blocks are committed just before it and the old pool's (all layers of
-the requests this worker ran) for the blocks it read last go back just after it, so the member never holds both
-pools whole; the old pool is closed when the exchange ends.
+new pool's pages for a chunk's destination blocks are committed just before it and the old pool's (all layers of the
+requests this worker ran) for the blocks it read last go back just after it, so the member never holds both pools
+whole; the old pool is closed when the exchange ends.
 
 The transfer runs on a thread of its own, concurrently with the steps the main thread keeps running for the queued
-requests (the steps never touch the parked requests' blocks, the only rows the exchange writes), over a process
-group of its own (parallel/groups.py), each chunk last layer first. While a step runs, the thread holds itself to `cpu_share` of
+requests (the steps never touch the parked requests' blocks, the only rows the exchange writes), over a process group of
+its own (parallel/groups.py), each chunk last layer first. While a step runs, the thread holds itself to `cpu_share` of
 one core: after a layer that took t seconds of its CPU time it sleeps t * (1 - share) / share, so the step keeps the
 rest of the core; with no step running it moves at full speed. Each pipeline step returns `report()` with its stage
 stats (an idle deployment asks `progress`), and the control plane calls `finish` once every worker is done, which
-returns the rest of the old pool's pages to the budget (the instance's KV manager then grows its serving pool into
-them; `room_blocks` says how far, less what the chunks still commit while the exchange runs). Reached as "exchange.<method>" through the worker's
-RPC."""
+returns the rest of the old pool's pages to the budget (the instance's KV manager then grows its serving pool into them;
+`room_blocks` says how far, less what the chunks still commit while the exchange runs). Reached as "exchange.<method>"
+through the worker's RPC."""
 from __future__ import annotations
 
 import logging
