@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elastic_hf.engine.sequence import Request
+from elastic_hf.kv.exchange_schedule import EXCHANGE_CHUNKS
 from elastic_hf.kv.kv_manager import KVManager
 from elastic_hf.kv.migration_plan import BlockMove, build_migration_plan, check_plan, plan_payload_bytes
 from elastic_hf.model.loader import parse_dtype
@@ -128,6 +129,9 @@ def plan_reshape(instances, old: Topology, new: Topology, capacity: Callable[[tu
         plan, placement = _place(instances, old, new, capacity, num_kv_heads, num_layers, weights_source,
                                  allow_preemption, forced, precopy, defer_kv)
         over = transition_overflow(plan, footprints) if footprints is not None else []
+        if defer_kv and over:   # both pools whole do not fit: the exchange gives the old pages back chunk by chunk
+            plan.exchange_chunks = EXCHANGE_CHUNKS
+            over = transition_overflow(plan, footprints)
         if not over:
             return plan, placement
         placement.release_taken()

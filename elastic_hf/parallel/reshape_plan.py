@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from elastic_hf.topology import Topology
-from elastic_hf.kv.exchange_schedule import EXCHANGE_CHUNKS, exchange_peak_bytes, exchange_schedule
+from elastic_hf.kv.exchange_schedule import exchange_peak_bytes, exchange_schedule
 from elastic_hf.kv.migration_plan import BlockMove, KVTransfer
 from elastic_hf.kv.layout import block_page_span
 
@@ -29,7 +29,9 @@ class ReshapePlan:
     # A parameter drop (KunServe §4.2): the KV moves after the commit point, beside the steps, while the
     # new instance already serves queued requests (parallel/kv_exchange.py); the old pools live until then.
     defer_kv: bool = False
-    exchange_chunks: int = EXCHANGE_CHUNKS     # the deferred exchange's chunks (kv/exchange_schedule.py)
+    # The deferred exchange's chunks (kv/exchange_schedule.py): one where both pools fit a member's budget at once
+    # (fewest rounds beside the steps), EXCHANGE_CHUNKS where they do not (plan_reshape decides).
+    exchange_chunks: int = 1
     # A restore whose full KV blocks were copied beside the steps (restore_precopy.py): `transfers` move only the
     # blocks written since, into the pools the workers made for the copy.
     precopied: bool = False

@@ -219,7 +219,7 @@ class ReshapeParticipant:
                                f"blocks written since the pre-copy")
         if new is not None:
             live = plan.num_live_new_blocks[plan.new.role(self._me)[0]]
-            if new_pool is None and plan.defer_kv and old is not None:
+            if new_pool is None and plan.defer_kv and old is not None and plan.exchange_chunks > 1:
                 # The exchange commits the blocks it writes chunk by chunk, as the old pool gives its pages back
                 chunks = txn["chunks"] = exchange_schedule(plan.transfers, self._me, plan.exchange_chunks)
                 lazy = lazy_blocks(chunks)
