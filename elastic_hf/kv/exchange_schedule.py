@@ -7,7 +7,8 @@ committed pages rather than in the same pages (a block of the old layout holds e
 its stage's, so the pools cannot share a page layout).
 
 Every worker derives the same chunks from the same plan, so the point-to-point ops of a chunk pair up; the control
-plane derives each worker's peak from them (reshape_plan.transition_overflow) before it commits to a drop."""
+plane derives each worker's peak from them (reshape_plan.transition_overflow) before it commits to a drop, and uses
+chunks only where both pools whole do not fit (each chunk is another round of ops per layer beside the steps)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
