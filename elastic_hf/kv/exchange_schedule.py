@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic_hf.kv.layout import block_page_span
+from elastic_hf.kv.layout import block_pages
 from elastic_hf.kv.migration_plan import KVTransfer
 
 EXCHANGE_CHUNKS = 16   # a chunk adds ~1/16 of the moved KV to the peak; each costs one round of ops per layer
@@ -77,7 +77,7 @@ def exchange_peak_bytes(chunks: list[ExchangeChunk], old_live_blocks, old_block_
     the old blocks given back after it (whole pages: blocks smaller than a page share pages, which stay committed
     while any of their blocks does)."""
     def pages(blocks, block_bytes):
-        return {p for b in blocks for p in range(*block_page_span(b, block_bytes, page_size))}
+        return block_pages(blocks, block_bytes, page_size)
 
     old_live = set(old_live_blocks)
     lazy = lazy_blocks(chunks)

@@ -27,6 +27,11 @@ def block_page_span(block_id: int, block_bytes: int, page_size: int) -> tuple[in
     return start // page_size, -(-(start + block_bytes) // page_size)
 
 
+def block_pages(block_ids, block_bytes: int, page_size: int) -> set[int]:
+    """The arena pages that blocks `block_ids` touch (blocks smaller than a page share pages)."""
+    return {p for b in block_ids for p in range(*block_page_span(b, block_bytes, page_size))}
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     num_layers: int

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from elastic_hf.topology import Topology
 from elastic_hf.kv.exchange_schedule import exchange_peak_bytes, exchange_schedule
 from elastic_hf.kv.migration_plan import BlockMove, KVTransfer
-from elastic_hf.kv.layout import block_page_span
+from elastic_hf.kv.layout import block_pages
 
 
 WEIGHT_SOURCES = ("host", "peers")
@@ -55,7 +55,7 @@ class ReshapePlan:
 
 def _pages_of(block_ids, block_bytes: int, page_size: int) -> int:
     """Arena pages the blocks touch (blocks smaller than a page share pages)."""
-    return len({p for b in block_ids for p in range(*block_page_span(b, block_bytes, page_size))})
+    return len(block_pages(block_ids, block_bytes, page_size))
 
 
 def transition_overflow(plan: ReshapePlan, footprints: list[dict]) -> list[tuple[int, int, int]]:
