@@ -2,7 +2,7 @@
 generate (SDPA), same model, same prompts, greedy, in one run.
 
     python benchmarks/cuda_graphs.py [--dtype {bfloat16,float32}] [--num-requests 32] [--max-new-tokens 64]
-                                     [--long-context 4000] [--repeats 3] [--shape llama-1b] [--profile]
+                                     [--long-context 4000] [--repeats 3] [--shape llama-3.2-1b] [--profile]
 
 The model has the default model's architecture (SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 KV heads) with
 random weights and a minimal tokenizer, so the benchmark runs on a GPU machine that has no default model; prompts are
@@ -11,7 +11,9 @@ the work. Three workloads: a batch of --num-requests prompts of 32-96 tokens (th
 (batch-1 decode) and one stream after a --long-context-token prompt (time per output token over a long context,
 prefill excluded). Engines are loaded once and timed round-robin, --repeats times; the ratios compare medians.
 Prints `RESULT cuda_graphs_speedup_b32`, `RESULT cuda_graphs_speedup_b1`, `RESULT cuda_vs_hf_static_b32`,
-`RESULT cuda_vs_hf_static_b1`, `RESULT cuda_long_context_tpot_vs_hf` (> 1: elastic-hf faster)."""
+`RESULT cuda_vs_hf_static_b1`, `RESULT cuda_long_context_tpot_vs_hf` (> 1: elastic-hf faster), and for the fused
+decoder-layer forward (fused_layers="on") on eager steps `RESULT cuda_fused_layers_eager_speedup_b1`,
+`RESULT cuda_fused_layers_prefill_speedup`."""
 from __future__ import annotations
 
 import argparse
@@ -48,13 +50,14 @@ def timed(fn) -> float:
 
 
 class Elastic:
-    def __init__(self, checkpoint, dtype, max_seqs, enforce_eager):
+    def __init__(self, checkpoint, dtype, max_seqs, enforce_eager, fused_layers="auto"):
         from elastic_hf import ElasticModel
 
-        self.label = "elastic-hf, " + ("--enforce-eager" if enforce_eager else "CUDA graphs")
+        self.label = "elastic-hf, " + ("--enforce-eager" if enforce_eager else "CUDA graphs") + (
+            ", fused layers" if fused_layers == "on" else "")
         self.model = ElasticModel.from_pretrained(str(checkpoint), device="cuda", dtype=dtype, max_num_seqs=max_seqs,
                                                   kv_cache_memory=4 << 30, max_num_batched_tokens=8192,
-                                                  enforce_eager=enforce_eager)
+                                                  enforce_eager=enforce_eager, fused_layers=fused_layers)
 
     def generate(self, prompts, max_new):
         self.model.generate(prompts, max_tokens=max_new, ignore_eos=True)
@@ -124,6 +127,7 @@ def main() -> None:
         checkpoint = random_checkpoint(args.shape, Path(tmp) / args.shape)
         engines = {"graphs": Elastic(checkpoint, args.dtype, args.num_requests, False),
                    "eager": Elastic(checkpoint, args.dtype, args.num_requests, True),
+                   "eager_fused": Elastic(checkpoint, args.dtype, args.num_requests, True, "on"),
                    "hf": HfStatic(checkpoint, args.dtype, args.num_requests, False)}
         for engine in engines.values():   # warm-up: captures, Triton compiles, cuBLAS heuristics
             for prompts, new in workloads.values():
@@ -157,6 +161,10 @@ def main() -> None:
     print(f"RESULT cuda_vs_hf_static_b32 {rate['graphs', 'b32'] / rate['hf', 'b32']:.3f}")
     print(f"RESULT cuda_vs_hf_static_b1 {rate['graphs', 'b1'] / rate['hf', 'b1']:.3f}")
     print(f"RESULT cuda_long_context_tpot_vs_hf {tpot['hf'] / tpot['graphs']:.3f}")
+    # the fused decoder-layer forward on eager steps (prefills, mixed steps): > 1, it is faster than HF's
+    print(f"RESULT cuda_fused_layers_eager_speedup_b1 {rate['eager_fused', 'b1'] / rate['eager', 'b1']:.3f}")
+    print(f"RESULT cuda_fused_layers_prefill_speedup "
+          f"{statistics.median(prefill_only['eager']) / statistics.median(prefill_only['eager_fused']):.3f}")
 
 
 if __name__ == "__main__":

@@ -152,7 +152,8 @@ class EngineConfig:
     # be (CPU, one worker, no morphing: weights that never change after load), off elsewhere.
     packed_weights: str = "auto"
     # Llama-formula decoder layers (Llama, Qwen2, Mistral) run as one flat forward of ours on HF's own modules
-    # (layers/fused_decoder_layer.py): auto, on the CPU; off: HF's forward everywhere
+    # (layers/fused_decoder_layer.py): auto, on the CPU; on: on every device (CUDA: eager steps and captures);
+    # off: HF's forward everywhere
     fused_layers: str = "auto"
     block_size: int = 16                 # tokens per KV block
     # Automatic prefix caching (kv/prefix_cache.py, vLLM's APC): computed full blocks are found again by later
@@ -267,8 +268,8 @@ class EngineConfig:
             self.morph = MorphConfig(**self.morph)
         self._check_overload()
         self._check_packed_weights()
-        if self.fused_layers not in ("auto", "off"):
-            raise ValueError(f"fused_layers must be 'auto' or 'off', got {self.fused_layers!r}")
+        if self.fused_layers not in ("auto", "on", "off"):
+            raise ValueError(f"fused_layers must be 'auto', 'on' or 'off', got {self.fused_layers!r}")
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {PREFIX_CACHING_HASH_ALGOS}, got "
                              f"{self.prefix_caching_hash_algo!r}")

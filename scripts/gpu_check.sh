@@ -34,7 +34,7 @@ if [[ $what == bench || $what == all ]]; then
     timeout "${GPU_BENCH_TIMEOUT:-180}" python3 benchmarks/cuda_graphs.py --repeats 3 --profile \
         > "$OUT/cuda_graphs.log" 2>&1
     grep -v -E "Loading|Writing|rounds" "$OUT/cuda_graphs.log"
-    timeout "${GPU_BENCH_1B_TIMEOUT:-200}" python3 benchmarks/cuda_graphs.py --repeats 2 --shape llama-1b \
+    timeout "${GPU_BENCH_1B_TIMEOUT:-200}" python3 benchmarks/cuda_graphs.py --repeats 2 --shape llama-3.2-1b \
         > "$OUT/cuda_graphs_1b.log" 2>&1
     grep -v -E "Loading|Writing|rounds" "$OUT/cuda_graphs_1b.log"
 fi

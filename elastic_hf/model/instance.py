@@ -151,8 +151,8 @@ WeightsFactory = Callable[[MemoryBudget, int], WeightLayout]   # (budget, page_s
 
 def use_fused_forward(config: EngineConfig, adapter, layers, device: torch.device) -> int:
     """Switch Llama-formula decoder layers to the fused forward (layers/fused_decoder_layer.py) where the config
-    allows it (fused_layers auto, on the CPU). Returns how many."""
-    if config.fused_layers != "auto" or device.type != "cpu":
+    allows it (fused_layers auto: on the CPU; on: every device). Returns how many."""
+    if config.fused_layers == "off" or (config.fused_layers == "auto" and device.type != "cpu"):
         return 0
     return use_fused_layers(layers, adapter.modeling_module, adapter.rotary_function)
 

@@ -68,9 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="on CUDA, run every step eagerly instead of replaying captured decode graphs "
                              "(default: off)" + _OWN_DEFAULT)
-    parser.add_argument("--fused-layers", default=None, choices=("auto", "off"),
+    parser.add_argument("--fused-layers", default=None, choices=("auto", "on", "off"),
                         help="auto: Llama/Qwen2/Mistral decoder layers run one flat forward of ours on HF's modules "
-                             "(CPU); off: HF's own forward (default: auto)" + _OWN_DEFAULT)
+                             "(CPU); on: on every device (CUDA too); off: HF's own forward (default: auto)" + _OWN_DEFAULT)
     parser.add_argument("--packed-weights", default=None, choices=("auto", "on", "off"),
                         help="CPU linears on oneDNN prepacked weights (same memory, bf16 bit-identical, ~1.2x "
                              "throughput on the default model); auto: on for one worker without --morph "

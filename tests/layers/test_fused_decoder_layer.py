@@ -63,17 +63,17 @@ def test_fused_forward_is_bit_identical_to_hfs(wide_llama, packed):
     _, tokenizer = load_hf_model(wide_llama)
     prompts = mixed_prompts(tokenizer, 4, 3, 50, seed=2)
     logits = {}
-    for mode in ("off", "auto"):
+    for mode in ("off", "auto", "on"):   # on the CPU, on is auto
         with ElasticModel.from_pretrained(wide_llama, kv_cache_memory=4 << 20, max_num_batched_tokens=24,
                                           packed_weights=packed, fused_layers=mode) as model:
             layers = _layers(model)
-            assert all(isinstance(layer, FusedDecoderLayer) == (mode == "auto") for layer in layers)
+            assert all(isinstance(layer, FusedDecoderLayer) == (mode != "off") for layer in layers)
             if packed == "auto":
                 assert isinstance(layers[0].self_attn.q_proj, FusedMemberLinear)
             logits[mode] = _step_logits(model, prompts)
-    assert len(logits["off"]) == len(logits["auto"]) > 0
-    for a, b in zip(logits["off"], logits["auto"]):
-        assert torch.equal(a, b)
+    assert len(logits["off"]) == len(logits["auto"]) == len(logits["on"]) > 0
+    for a, b, c in zip(logits["off"], logits["auto"], logits["on"]):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_fused_forward_runs_the_morphed_linears(tiny_checkpoint):

@@ -73,6 +73,22 @@ def test_fp32_graphs_match_hf_and_eager(checkpoint):
         assert _greedy(eager, prompts) == want
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_fused_decoder_layers_on_cuda_match_hf(checkpoint, enforce_eager):
+    """fused_layers="on" switches the layers to our flat forward on CUDA too (auto keeps it to the CPU until this
+    passes on a GPU): eager steps run it, decode graphs capture it; HF's greedy tokens either way."""
+    from elastic_hf.layers.fused_decoder_layer import FusedDecoderLayer
+
+    prompts = _prompts(5, 3, 90, seed=6)
+    want = _hf_greedy(checkpoint, torch.float32, prompts, MAX_NEW)
+    with _load(checkpoint, dtype="float32", fused_layers="on", enforce_eager=enforce_eager) as model:
+        layers = model.worker.loaded.layers
+        assert all(isinstance(layer, FusedDecoderLayer) for layer in layers)
+        assert _greedy(model, prompts) == want
+        graphs = getattr(model.worker.instance.runner, "decode_graphs", None)
+        assert (graphs is None) == enforce_eager and (enforce_eager or graphs.num_replays >= MAX_NEW - 1)
+
+
 def test_bf16_graphs_match_hf_up_to_near_ties(checkpoint):
     from elastic_hf.model.loader import load_hf_model
     from greedy_reference import assert_greedy_equal_up_to_ties, hf_greedy_with_logits
