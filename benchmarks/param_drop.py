@@ -39,7 +39,8 @@ How the workload is chosen (every rule prints its numbers):
   TTFT and TPOT of a request of the window's median prompt and output length, measured one request at a time through
   the same HTTP path as the replay.
 - Hysteresis, the same for every drop / merge config: react after 2 overloaded steps (KunServe drops as soon as the
-  monitor sees the overload; 2 filters a one-step blip), restore below 50 % of the undropped capacity (§4.4) held for
+  monitor sees the overload; 2 filters a one-step blip), overloaded meaning the demand above the capacity or, past 80 %
+  of it, the demand projected 64 steps ahead at its growth over the last 32 (OverloadConfig.lead_steps), restore below 50 % of the undropped capacity (§4.4) held for
   about 2 mean inter-arrival times of the scaled trace, cool down for about 5 (counted in decode steps at the expected
   concurrency), so a lull between two arrivals inside the burst does not restore and re-drop.
 

@@ -88,7 +88,8 @@ OVERLOAD_RESPONSES = ("off", "morph", "tp-merge", "drop", "auto")
 class OverloadConfig:
     """Which response to KV overload acts and with what hysteresis (engine/overload.py): off (each mechanism as
     configured elsewhere), morph, tp-merge, drop (KunServe parameter dropping) or auto. Overloaded: the KV demand
-    (running + queued requests' blocks) / the attached capacity above `trigger` for `hold_steps` steps; a dropped
+    (running + queued requests' blocks) / the attached capacity above `trigger` for `hold_steps` steps, or past
+    `predict_floor` x `trigger` with the demand `lead_steps` ahead (at its recent growth) above it; a dropped
     or merged layout is restored below `restore_below` of the undropped capacity held for `restore_hold_steps`;
     nothing new starts for `cooldown_steps` after a restore. `exchange` and `lookahead` exist for ablations: a
     drop's KV moves "coordinated" (on a thread of each worker beside the steps, queued requests run meanwhile; while
@@ -97,6 +98,10 @@ class OverloadConfig:
     mode: str = "off"
     trigger: float = 1.0
     hold_steps: int = 3
+    # how far ahead the arbiter projects the demand's growth (about a drop's KV exchange in steps; 0: react to the
+    # demand now), and from what share of the trigger on (a slope at low load predicts nothing reliable)
+    lead_steps: int = 64
+    predict_floor: float = 0.8
     restore_below: float = 0.5       # KunServe §4.4
     restore_hold_steps: int = 32
     cooldown_steps: int = 64
@@ -110,7 +115,9 @@ class OverloadConfig:
         if not self.trigger > 0 or not 0 < self.restore_below < self.trigger:
             raise ValueError(f"need trigger > 0 and 0 < restore_below < trigger, got trigger={self.trigger} "
                              f"restore_below={self.restore_below}")
-        for name in ("hold_steps", "restore_hold_steps", "cooldown_steps"):
+        if not 0 < self.predict_floor <= 1:
+            raise ValueError(f"predict_floor must be in (0, 1], got {self.predict_floor}")
+        for name in ("hold_steps", "lead_steps", "restore_hold_steps", "cooldown_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.exchange not in ("coordinated", "blocking"):

@@ -9,12 +9,16 @@
   layout, costs no pipeline bubbles and no pause), else dropping (it frees the most), else a TP merge.
 
 At most one response is active at a time. The overload is the monitor's memory demand (running plus queued
-requests' blocks, as Llumnix counts it) above the capacity, held for `hold_steps` steps; a dropped or merged layout
+requests' blocks, as Llumnix counts it) above the capacity, held for `hold_steps` steps, or, once the demand is past
+`predict_floor` of the capacity, the demand `lead_steps` ahead at its growth over the last SLOPE_WINDOW_STEPS steps
+(KunServe acts when the system "has suffered or is about to suffer" an overload: a drop's KV exchange takes many
+steps, and the layout should hold the burst when the exchange ends, not when it starts); a dropped or merged layout
 is restored once the demand stays below `restore_below` of the undropped capacity for `restore_hold_steps` (KunServe
 §4.4: 50 %), and nothing new starts for `cooldown_steps` after a restore, so a load hovering at a threshold does not
 oscillate. Decisions are data; parallel/overload_control.py executes them."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from elastic_hf.config import OVERLOAD_RESPONSES, OverloadConfig
@@ -22,6 +26,9 @@ from elastic_hf.config import OVERLOAD_RESPONSES, OverloadConfig
 __all__ = ["OVERLOAD_RESPONSES", "OverloadArbiter", "OverloadConfig", "OverloadDecision", "OverloadSnapshot"]
 
 RETRY_BACKOFF_STEPS = 16   # after a refused response (no plan, or rolled back)
+# The demand's growth rate is its change over this many steps: long enough that one prompt's arrival or one
+# request's end (a few blocks) is not a trend, short enough to see a burst's ramp within a few seconds.
+SLOPE_WINDOW_STEPS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +49,7 @@ class OverloadSnapshot:
 class OverloadDecision:
     action: str     # "drop" | "tp-merge" | "morph" (enable the morph controllers) | "restore" | "morph-done"
     reason: str
+    need_tokens: int = 0   # KV tokens the response should add: the (projected) demand over the capacity
 
 
 class OverloadArbiter:
@@ -53,6 +61,17 @@ class OverloadArbiter:
         self._over = 0
         self._under = 0
         self._cooldown = 0
+        self._demands: deque[int] = deque(maxlen=SLOPE_WINDOW_STEPS + 1)   # the last steps' demand, oldest first
+        self.projected_tokens = 0   # the demand lead_steps ahead, as of the last decide()
+
+    def project(self, demand_tokens: int) -> int:
+        """The demand `lead_steps` ahead at its growth over the last SLOPE_WINDOW_STEPS steps; never below the
+        demand now (a falling demand predicts nothing), the demand itself until the window has filled."""
+        self._demands.append(demand_tokens)
+        if len(self._demands) <= SLOPE_WINDOW_STEPS or self.policy.lead_steps == 0:
+            return demand_tokens
+        growth = (demand_tokens - self._demands[0]) / SLOPE_WINDOW_STEPS   # tokens a step
+        return demand_tokens + max(0, round(growth * self.policy.lead_steps))
 
     @property
     def morph_controllers_on(self) -> bool:
@@ -66,7 +85,11 @@ class OverloadArbiter:
         mode, p = self.policy.mode, self.policy
         if mode in ("off", "morph"):
             return None
-        self._over = self._over + 1 if snap.demand_ratio > p.trigger else 0
+        projected = self.projected_tokens = self.project(snap.demand_tokens)
+        capacity = max(snap.capacity_tokens, 1)
+        over = snap.demand_ratio > p.trigger or (snap.demand_ratio > p.trigger * p.predict_floor
+                                                 and projected / capacity > p.trigger)
+        self._over = self._over + 1 if over else 0
         low = snap.demand_tokens < p.restore_below * snap.base_capacity_tokens
         self._under = self._under + 1 if low else 0
         cooling = self._cooldown > 0   # this step is one of the cooldown's
@@ -83,16 +106,17 @@ class OverloadArbiter:
             return None
         if self._over < max(p.hold_steps, 1) or cooling:
             return None
-        deficit = snap.demand_tokens - snap.capacity_tokens
-        why = f"demand {snap.demand_tokens} tokens > capacity {snap.capacity_tokens} for {self._over} steps"
+        deficit = max(projected, snap.demand_tokens) - snap.capacity_tokens
+        why = f"demand {snap.demand_tokens} tokens ({projected} in {p.lead_steps} steps) > capacity " \
+              f"{snap.capacity_tokens} for {self._over} steps"
         if mode == "auto":
             if self.has_morph and 0 < deficit <= snap.morph_headroom_tokens:
-                return OverloadDecision("morph", f"{why}; morphing can add {snap.morph_headroom_tokens}")
+                return OverloadDecision("morph", f"{why}; morphing can add {snap.morph_headroom_tokens}", deficit)
             if not self.can_reshape:
-                return OverloadDecision("morph", f"{why}; one worker: morphing is the only response") \
+                return OverloadDecision("morph", f"{why}; one worker: morphing is the only response", deficit) \
                     if self.has_morph else None
-            return OverloadDecision("drop", why)
-        return OverloadDecision(mode, why)
+            return OverloadDecision("drop", why, deficit)
+        return OverloadDecision(mode, why, deficit)
 
     def done(self, action: str, ok: bool) -> None:
         """The outcome of a decision: a response that went through is active; one that was refused (no plan, or a

@@ -137,7 +137,7 @@ class OverloadControl:
         action = decision.action
         ok = True
         if action == "drop":
-            ok = self.drop(snap.demand_tokens - snap.capacity_tokens) is not None
+            ok = self.drop(decision.need_tokens) is not None
             if not ok and self.policy.mode == "auto":
                 action, ok = "tp-merge", self.tp_merge() is not None   # the fallback when no drop plan exists
         elif action == "tp-merge":
@@ -332,7 +332,7 @@ class OverloadControl:
         return {"mode": self.policy.mode, "active": self.arbiter.active, "topology": str(self.dep.topology),
                 "base_topology": str(self.base_topology), "demand_tokens": snap.demand_tokens,
                 "capacity_tokens": snap.capacity_tokens, "base_capacity_tokens": snap.base_capacity_tokens,
-                "demand_ratio": round(snap.demand_ratio, 4),
+                "demand_ratio": round(snap.demand_ratio, 4), "projected_demand_tokens": self.arbiter.projected_tokens,
                 "exchange": None if self.exchange is None else _exchange_dict(self.exchange),
                 "restore_prewarm": None if self.prewarm is None else self.prewarm.summary(),
                 "history": list(self.history)}

@@ -3,7 +3,7 @@ hovering at the thresholds; and the scheduler's exchanging state (a parameter dr
 import pytest
 
 from elastic_hf.config import EngineConfig, OverloadConfig
-from elastic_hf.engine.overload import RETRY_BACKOFF_STEPS, OverloadArbiter, OverloadSnapshot
+from elastic_hf.engine.overload import RETRY_BACKOFF_STEPS, SLOPE_WINDOW_STEPS, OverloadArbiter, OverloadSnapshot
 from elastic_hf.engine.scheduler import Scheduler
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.sequence import Sequence, SeqStatus
@@ -51,6 +51,25 @@ def test_a_load_hovering_at_the_thresholds_does_not_oscillate():
     assert drive(arbiter, [300] * 32 + [1050, 1100, 1200] * 20) == ["restore"]
 
 
+def test_a_demand_growing_towards_the_capacity_drops_before_it_arrives():
+    """Past predict_floor of the trigger, the demand lead_steps ahead at its growth over the last SLOPE_WINDOW_STEPS
+    steps counts: a ramp of 3 tokens a step from 800 projects past the capacity 64 steps ahead, so the drop comes
+    while the demand is still below it, with the projected deficit as its need; the same ramp with lead_steps=0,
+    a flat demand below the capacity, and a steep ramp below the floor do not drop early."""
+    ramp = [800 + 3 * i for i in range(100)]               # 800 .. 1097: past 1000 from step 67
+    early = OverloadArbiter(OverloadConfig("drop", hold_steps=2, lead_steps=64), False, True)
+    i, decision = next((i, d) for i, d in ((i, early.decide(snap(d))) for i, d in enumerate(ramp)) if d is not None)
+    assert ramp[i] < BASE and i == SLOPE_WINDOW_STEPS + 1      # once the window has filled (and held 2 steps)
+    assert decision.action == "drop" and decision.need_tokens == ramp[i] + 3 * 64 - BASE
+    assert early.projected_tokens == ramp[i] + 3 * 64
+    late = OverloadArbiter(OverloadConfig("drop", hold_steps=2, lead_steps=0), False, True)
+    assert next(i for i, d in enumerate(ramp) if late.decide(snap(d)) is not None) == 68   # 1001, 1004: 2 steps
+    flat = OverloadArbiter(OverloadConfig("drop", hold_steps=2, lead_steps=64), False, True)
+    assert drive(flat, [990, 960, 995, 970] * 40) == []
+    low = OverloadArbiter(OverloadConfig("drop", hold_steps=2, lead_steps=64, predict_floor=0.8), False, True)
+    assert drive(low, [100 + 20 * i for i in range(35)]) == []   # 100 .. 780: steep, but below 800
+
+
 def test_auto_morphs_a_small_deficit_and_drops_a_large_one():
     auto = OverloadConfig("auto", hold_steps=1)
     small = OverloadArbiter(auto, has_morph=True, can_reshape=True)
@@ -84,6 +103,10 @@ def test_overload_config_errors_name_the_values():
         OverloadConfig("spill")
     with pytest.raises(ValueError, match="restore_below=1.5"):
         OverloadConfig("drop", restore_below=1.5)
+    with pytest.raises(ValueError, match="predict_floor must be in \\(0, 1\\], got 1.5"):
+        OverloadConfig("drop", predict_floor=1.5)
+    with pytest.raises(ValueError, match="lead_steps must be >= 0, got -1"):
+        OverloadConfig("drop", lead_steps=-1)
     with pytest.raises(ValueError, match="num_workers is 1"):
         EngineConfig(overload="drop")
     with pytest.raises(ValueError, match="needs a morph mode with a controller"):
