@@ -11,7 +11,8 @@ the work. Three workloads: a batch of --num-requests prompts of 32-96 tokens (th
 (batch-1 decode) and one stream after a --long-context-token prompt (time per output token over a long context,
 prefill excluded). Engines are loaded once and timed round-robin, --repeats times; the ratios compare medians.
 Prints `RESULT cuda_graphs_speedup_b32`, `RESULT cuda_graphs_speedup_b1`, `RESULT cuda_vs_hf_static_b32`,
-`RESULT cuda_vs_hf_static_b1`, `RESULT cuda_long_context_tpot_vs_hf` (> 1: elastic-hf faster), and for the fused
+`RESULT cuda_vs_hf_static_b1`, `RESULT cuda_long_context_tpot_vs_hf` (> 1: elastic-hf faster), for the stacked q/k/v
+and gate/up GEMMs (against packed_weights="off") `RESULT cuda_stacked_linears_speedup_b32` / `_b1`, and for the fused
 decoder-layer forward (fused_layers="on") on eager steps `RESULT cuda_fused_layers_eager_speedup_b1`,
 `RESULT cuda_fused_layers_prefill_speedup`."""
 from __future__ import annotations
@@ -50,14 +51,15 @@ def timed(fn) -> float:
 
 
 class Elastic:
-    def __init__(self, checkpoint, dtype, max_seqs, enforce_eager, fused_layers="auto"):
+    def __init__(self, checkpoint, dtype, max_seqs, enforce_eager, fused_layers="auto", packed_weights="auto"):
         from elastic_hf import ElasticModel
 
         self.label = "elastic-hf, " + ("--enforce-eager" if enforce_eager else "CUDA graphs") + (
-            ", fused layers" if fused_layers == "on" else "")
+            ", fused layers" if fused_layers == "on" else "") + (", unstacked" if packed_weights == "off" else "")
         self.model = ElasticModel.from_pretrained(str(checkpoint), device="cuda", dtype=dtype, max_num_seqs=max_seqs,
                                                   kv_cache_memory=4 << 30, max_num_batched_tokens=8192,
-                                                  enforce_eager=enforce_eager, fused_layers=fused_layers)
+                                                  enforce_eager=enforce_eager, fused_layers=fused_layers,
+                                                  packed_weights=packed_weights)
 
     def generate(self, prompts, max_new):
         self.model.generate(prompts, max_tokens=max_new, ignore_eos=True)
@@ -126,6 +128,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = random_checkpoint(args.shape, Path(tmp) / args.shape)
         engines = {"graphs": Elastic(checkpoint, args.dtype, args.num_requests, False),
+                   "graphs_unstacked": Elastic(checkpoint, args.dtype, args.num_requests, False, packed_weights="off"),
                    "eager": Elastic(checkpoint, args.dtype, args.num_requests, True),
                    "eager_fused": Elastic(checkpoint, args.dtype, args.num_requests, True, "on"),
                    "hf": HfStatic(checkpoint, args.dtype, args.num_requests, False)}
@@ -143,7 +146,7 @@ def main() -> None:
         print(f"KV cache of 4 GiB: {kv['kv_blocks']} blocks of {kv['kv_block_bytes']} bytes "
               f"({kv['kv_blocks'] * 16} tokens)")
         if args.profile:
-            for name in ("eager", "graphs"):
+            for name in ("eager", "graphs_unstacked", "graphs"):
                 per_step, top = kernels_per_decode_step(engines[name], single[0])
                 print(f"{engines[name].label}: {per_step:.0f} CUDA kernels per batch-1 decode step; most frequent:")
                 for kernel, n in top:
@@ -161,6 +164,9 @@ def main() -> None:
     print(f"RESULT cuda_vs_hf_static_b32 {rate['graphs', 'b32'] / rate['hf', 'b32']:.3f}")
     print(f"RESULT cuda_vs_hf_static_b1 {rate['graphs', 'b1'] / rate['hf', 'b1']:.3f}")
     print(f"RESULT cuda_long_context_tpot_vs_hf {tpot['hf'] / tpot['graphs']:.3f}")
+    # q/k/v and gate/up as one GEMM each over their stacked weights (layers/stacked_linear.py), in graphs
+    for w in ("b32", "b1"):
+        print(f"RESULT cuda_stacked_linears_speedup_{w} {rate['graphs', w] / rate['graphs_unstacked', w]:.3f}")
     # the fused decoder-layer forward on eager steps (prefills, mixed steps): > 1, it is faster than HF's
     print(f"RESULT cuda_fused_layers_eager_speedup_b1 {rate['eager_fused', 'b1'] / rate['eager', 'b1']:.3f}")
     print(f"RESULT cuda_fused_layers_prefill_speedup "

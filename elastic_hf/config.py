@@ -155,8 +155,9 @@ class EngineConfig:
     memory_budget: int | float | str | None = None   # bytes, "2GiB", or a fraction of the device ("0.5")
     kv_cache_memory: int | str | None = None         # KV bytes when memory_budget is None (default 1 GiB)
     page_size: int | None = None         # arena page; None: the backend's (OS page on CPU, 2 MiB on CUDA)
-    # CPU linears on oneDNN prepacked weights (layers/packed_linear.py): auto | on | off. auto: on where it can
-    # be (CPU, one worker, no morphing: weights that never change after load), off elsewhere.
+    # CPU linears on oneDNN prepacked weights (layers/packed_linear.py); on CUDA each layer's q/k/v and gate/up as
+    # one GEMM over their stacked weights (layers/stacked_linear.py): auto | on | off. auto: on where it can be
+    # (one worker, no morphing: weights that never change after load), off elsewhere.
     packed_weights: str = "auto"
     # Llama-formula decoder layers (Llama, Qwen2, Mistral) run as one flat forward of ours on HF's own modules
     # (layers/fused_decoder_layer.py): auto, on the CPU; on: on every device (CUDA: eager steps and captures);
@@ -321,8 +322,8 @@ class EngineConfig:
 
     def packed_weights_blocker(self) -> str | None:
         """Why this deployment cannot pack its linears' weights, or None when it can."""
-        if self.device.split(":")[0] != "cpu":
-            return f"device is {self.device!r} (packing is for CPU oneDNN kernels)"
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            return f"device is {self.device!r} (packing is for CPU oneDNN kernels, stacking for CUDA)"
         if self.num_workers != 1:
             return f"num_workers is {self.num_workers} (TP shards and pipeline stages are re-cut by reshapes)"
         if self.morph.enabled:

@@ -91,13 +91,15 @@ def pack_linear(module: nn.Linear) -> int:
 # computes the fused product and every member returns its column slice of it.
 
 class FusedProduct:
-    """The stacked packed weight of a fusion group and the product of its last input, held until every member has
-    read its slice (a prefill's product must not outlive its step)."""
+    """The stacked weight of a fusion group (oneDNN-packed, or plain: layers/stacked_linear.py) and the product of
+    its last input, held until every member has read its slice (a prefill's product must not outlive its step)."""
 
-    def __init__(self, packed_weight: torch.Tensor, bias: torch.Tensor | None, num_members: int):
-        self.packed_weight = packed_weight
+    def __init__(self, packed_weight: torch.Tensor, bias: torch.Tensor | None, num_members: int,
+                 packed: bool = True):
+        self.packed_weight = packed_weight   # [sum(out), in]: oneDNN's blocked layout when `packed`, else plain
         self.bias = bias
         self.num_members = num_members
+        self.packed = packed
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
         self._unread = 0
@@ -105,6 +107,8 @@ class FusedProduct:
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The whole product for a caller that reads every member's columns itself (layers/swiglu_mlp.py):
         [..., in_features] -> [..., sum of the members' out_features], nothing held."""
+        if not self.packed:
+            return nn.functional.linear(x, self.packed_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def read(self, x: torch.Tensor) -> torch.Tensor:

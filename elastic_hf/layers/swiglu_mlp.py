@@ -5,8 +5,9 @@ instead of eager torch's silu over the strided gate half, then a product that re
 half. HF's MLP forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` with act_fn = SiLU; the switched module
 computes exactly that, rounding where torch rounds (bf16: the activation, then the product).
 
-On a GPU gate and up stay two linears (the arena places, shards and swaps them one by one); SplitSwiGLUMLP takes
-silu(gate) * up of their outputs in one Triton launch (native/triton_elementwise.py) instead of two kernels."""
+On a GPU gate and up are two linears, or two members of one product over their stacked weight (a view of the arena,
+layers/stacked_linear.py); SplitSwiGLUMLP takes silu(gate) * up of their outputs (two column ranges of that
+product) in one Triton launch (native/triton_elementwise.py) instead of two kernels."""
 from __future__ import annotations
 
 import torch
@@ -69,7 +70,8 @@ def swiglu_fusable(mlp: nn.Module, hidden_act: str | None) -> bool:
     return (_silu_between(mlp, hidden_act) and gate.fused is up.fused and gate.fused.num_members == 2
             and gate.column_start == 0
             and up.column_start == gate.out_features == up.out_features
-            and native_elementwise_available(gate.fused.packed_weight.dtype, torch.device("cpu")))
+            and gate.fused.packed and native_elementwise_available(gate.fused.packed_weight.dtype,
+                                                                   torch.device("cpu")))
 
 
 def use_swiglu_mlps(mlps: list[nn.Module], hidden_act: str | None, device: torch.device | None = None) -> int:

@@ -182,7 +182,11 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     # After any calibration (profiles and AWQ scales must not depend on the GEMM backend): oneDNN fp32 linears,
     # and prepacked weights where they never change after load (their bytes count before the KV is sized).
     use_onednn_linears(loaded.hf_model)
-    if config.packs_weights and packing_available():
+    if config.packs_weights and device.type == "cuda":
+        num_stacked = weights.stack_linears(loaded.adapter.fusion_groups(loaded.layers))
+        log.info("%d groups of linears (q/k/v, gate/up) run as one GEMM each over their stacked weights",
+                 num_stacked)
+    elif config.packs_weights and packing_available():
         num_packed = weights.pack_linears(loaded.hf_model, loaded.adapter.fusion_groups(loaded.layers))
         log.info("%d linears on oneDNN prepacked weights (%s beyond the plain weights: tied tables)", num_packed,
                  format_bytes(weights.packed_extra_bytes))

@@ -23,6 +23,7 @@ from torch import nn
 
 from elastic_hf.layers.packed_linear import fusable, pack_fused, pack_linear, takes_packing
 from elastic_hf.layers.quant_linear import is_quant_linear
+from elastic_hf.layers.stacked_linear import stack_fused, stackable
 from elastic_hf.memory import MemoryBudget, create_arena
 from elastic_hf.memory.arena import PageArena
 from elastic_hf.units import round_up
@@ -227,6 +228,20 @@ class PlacedWeights:
         self.arena.budget.charge(self.arena.owner, charged)   # after the release: a sized budget nets out
         self.packed_extra_bytes += charged - (before - self.arena.committed_bytes)
         return len(linears)
+
+    def stack_linears(self, fusion_groups: list[list[nn.Module]]) -> int:
+        """Each of `fusion_groups` whose weights lie back to back in this arena (layers/stacked_linear.py) runs as
+        one GEMM over a view spanning them: no copy, no memory change. Returns how many groups."""
+        base = self.arena.view(0, (1,), torch.uint8).data_ptr()
+        stacked = 0
+        for group in fusion_groups:
+            if not stackable(group):
+                continue
+            first = group[0].weight
+            shape = (sum(m.out_features for m in group), first.shape[1])   # [sum(out), in]
+            stack_fused(group, self.arena.view(first.data_ptr() - base, shape, first.dtype))
+            stacked += 1
+        return stacked
 
     def fp_region(self, layer: int) -> ArenaRange:
         return self.placement.layers[layer]

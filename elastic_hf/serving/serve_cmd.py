@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(CPU); on: on every device (CUDA too); off: HF's own forward (default: auto)" + _OWN_DEFAULT)
     parser.add_argument("--packed-weights", default=None, choices=("auto", "on", "off"),
                         help="CPU linears on oneDNN prepacked weights (same memory, bf16 bit-identical, ~1.2x "
-                             "throughput on the default model); auto: on for one worker without --morph "
+                             "throughput on the default model); on CUDA, q/k/v and gate/up as one GEMM each over "
+                             "their stacked weights (no copy); auto: on for one worker without --morph "
                              "(default: auto)" + _OWN_DEFAULT)
     parser.add_argument("--seed", type=int, default=None,
                         help="seed the requests that bring no 'seed' of their own, in the order they are accepted, so "

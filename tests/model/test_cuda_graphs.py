@@ -55,12 +55,23 @@ def _greedy(model, prompts, max_new=MAX_NEW):
     return [list(o.outputs[0].token_ids) for o in model.generate(prompts, max_tokens=max_new, ignore_eos=True)]
 
 
+def _assert_stacked(model, stacked=True):
+    """One worker, no morphing: q/k/v and gate/up run as one GEMM each over their stacked weights
+    (layers/stacked_linear.py)."""
+    from elastic_hf.layers.packed_linear import FusedMemberLinear
+
+    layer = model.worker.loaded.layers[0]
+    for linear in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.gate_proj, layer.mlp.up_proj):
+        assert isinstance(linear, FusedMemberLinear) == stacked
+
+
 def test_fp32_graphs_match_hf_and_eager(checkpoint):
     prompts = _prompts(5, 3, 90)       # 5 decodes replay the graph of batch 8 with 3 padding rows
     want = _hf_greedy(checkpoint, torch.float32, prompts, MAX_NEW)
     with _load(checkpoint, dtype="float32") as model:
         graphs = model.worker.instance.runner.decode_graphs
         assert graphs is not None
+        _assert_stacked(model)
         assert _greedy(model, prompts) == want
         # batches shrink as requests finish at different lengths: several padded sizes, one capture each
         mixed = _greedy(model, prompts[:3], 8) + _greedy(model, prompts[3:], MAX_NEW)
@@ -71,6 +82,9 @@ def test_fp32_graphs_match_hf_and_eager(checkpoint):
 
         assert not isinstance(eager.worker.instance.runner, CudaGraphRunner)   # the plain ModelRunner
         assert _greedy(eager, prompts) == want
+    with _load(checkpoint, dtype="float32", packed_weights="off") as unstacked:
+        _assert_stacked(unstacked, stacked=False)
+        assert _greedy(unstacked, prompts) == want
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
