@@ -1,9 +1,10 @@
 """The MLP of a Llama-family layer as one fused GEMM, one native pass and one GEMM, as vLLM's LlamaMLP runs it
-(MergedColumnParallelLinear, SiluAndMul, RowParallelLinear): gate and up already share one packed product
-(packed_linear.FusedProduct); silu(gate) * up is taken from it in a single pass (native/fused_elementwise.c)
-instead of eager torch's silu over the strided gate half, then a product that reads the gate again with the up
-half. HF's MLP forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` with act_fn = SiLU; the switched module
-computes exactly that, rounding where torch rounds (bf16: the activation, then the product).
+(MergedColumnParallelLinear, SiluAndMul, RowParallelLinear): gate and up already share one product
+(packed_linear.FusedProduct: oneDNN-packed, or stacked as in layers/stacked_linear.py); silu(gate) * up is taken
+from it in a single pass (native/fused_elementwise.c) instead of eager torch's silu over the strided gate half, then
+a product that reads the gate again with the up half. HF's MLP forward is `down_proj(act_fn(gate_proj(x)) *
+up_proj(x))` with act_fn = SiLU; the switched module computes exactly that, rounding where torch rounds (bf16: the
+activation, then the product).
 
 On a GPU gate and up are two linears, or two members of one product over their stacked weight (a view of the arena,
 layers/stacked_linear.py); SplitSwiGLUMLP takes silu(gate) * up of their outputs (two column ranges of that
@@ -70,8 +71,7 @@ def swiglu_fusable(mlp: nn.Module, hidden_act: str | None) -> bool:
     return (_silu_between(mlp, hidden_act) and gate.fused is up.fused and gate.fused.num_members == 2
             and gate.column_start == 0
             and up.column_start == gate.out_features == up.out_features
-            and gate.fused.packed and native_elementwise_available(gate.fused.packed_weight.dtype,
-                                                                   torch.device("cpu")))
+            and native_elementwise_available(gate.fused.packed_weight.dtype, torch.device("cpu")))
 
 
 def use_swiglu_mlps(mlps: list[nn.Module], hidden_act: str | None, device: torch.device | None = None) -> int:

@@ -182,17 +182,20 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     # After any calibration (profiles and AWQ scales must not depend on the GEMM backend): oneDNN fp32 linears,
     # and prepacked weights where they never change after load (their bytes count before the KV is sized).
     use_onednn_linears(loaded.hf_model)
-    if config.packs_weights and device.type == "cuda":
-        num_stacked = weights.stack_linears(loaded.adapter.fusion_groups(loaded.layers))
-        log.info("%d groups of linears (q/k/v, gate/up) run as one GEMM each over their stacked weights",
-                 num_stacked)
-    elif config.packs_weights and packing_available():
-        num_packed = weights.pack_linears(loaded.hf_model, loaded.adapter.fusion_groups(loaded.layers))
+    groups = loaded.adapter.fusion_groups(loaded.layers) if config.packs_weights else []
+    if groups and device.type == "cpu" and packing_available():
+        num_packed = weights.pack_linears(loaded.hf_model, groups)
         log.info("%d linears on oneDNN prepacked weights (%s beyond the plain weights: tied tables)", num_packed,
                  format_bytes(weights.packed_extra_bytes))
-    elif config.packed_weights == "on":
+    elif config.packed_weights == "on" and device.type == "cpu":
         raise ValueError("packed_weights='on' needs oneDNN's weight reorder (torch.ops.mkldnn) and "
                          "ELASTIC_HF_CPU_GEMM unset or 'onednn'")
+    # What packing did not take (CUDA; bf16 on a CPU whose oneDNN cannot pack it) still runs q/k/v and gate/up as
+    # one GEMM each, over a view of their back-to-back bytes.
+    num_stacked = weights.stack_linears(groups) if groups else 0
+    if num_stacked:
+        log.info("%d groups of linears (q/k/v, gate/up) run as one GEMM each over their stacked weights",
+                 num_stacked)
     # The elementwise work around the GEMMs in single passes (C on the CPU, Triton on CUDA): every RMSNorm, the
     # MLPs' silu(gate) * up (on the CPU straight from the gate/up product just fused), and the rotary embedding.
     adapter = loaded.adapter

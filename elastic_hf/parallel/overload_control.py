@@ -27,9 +27,10 @@ from elastic_hf.units import ceil_div
 log = logging.getLogger(__name__)
 
 SPLIT_PREFIX_TOKENS = 512   # context of the decode step the cost-model split is balanced for
-# A drop's pipeline is split to hold this much more than the KV demand at the trigger: a burst is still arriving
-# then (the demand of the benchmark's bursts peaked at 1.3x the trigger's). stage_split takes the fastest split that
-# holds it, else the one that holds the most.
+# A drop's pipeline is split to hold this much more than the KV demand at the trigger (or the demand the arbiter
+# projects, engine/overload.py, when that is more): a burst is still arriving then (the demand of the benchmark's
+# bursts peaked at 1.3x the trigger's). stage_split takes the fastest split that holds it, else the one that holds
+# the most.
 SPLIT_DEMAND_MARGIN = 1.5
 
 
@@ -171,7 +172,7 @@ class OverloadControl:
                          max(demand_tokens, 1) * token_bytes)
         if isinstance(plan, DropRefusal):
             return self._refused("drop", plan.reason)
-        demand = self.snapshot().demand_tokens
+        demand = max(self.snapshot().demand_tokens, self.arbiter.projected_tokens)
         num_workers = sum(plan.new_sizes)
         target = [self.group_shape(n, int(demand * SPLIT_DEMAND_MARGIN * n / num_workers)) for n in plan.new_sizes]
         # A plan that does not cover the demand merges every group (Fig. 6 runs out of pairs): the rest queues.

@@ -141,14 +141,19 @@ def test_engine_on_packed_weights_keeps_greedy_tokens_and_memory(checkpoints, dt
                                           max_num_batched_tokens=64) as model:
             runs[mode] = [o.outputs[0].token_ids for o in model.generate(prompts, max_tokens=MAX_NEW)]
             reports[mode] = model.memory_report()
-            packed, fused = _packed_modules(model), _fused_members(model)
+            packed, members = _packed_modules(model), _fused_members(model)
             if mode == "off":
-                assert not packed and not fused
+                assert not packed and not members
                 continue
-            # fp32: gate+up fused, down and the head packed (q/k/v stacked and o are below the oneDNN size rule);
+            # fp32: gate+up fused, down and the head packed; q/k/v and o are below the oneDNN size rule, and q/k/v
+            # run as one ATen GEMM over their stacked plain weights (layers/stacked_linear.py);
             # bf16: q+k+v and gate+up fused, o, down and the head packed.
+            fused = [m for m in members if m.fused.packed]
+            stacked = [m for m in members if not m.fused.packed]
             assert len(packed) == (3 + 1 if dtype == "float32" else 3 * 2 + 1)
             assert len(fused) == (3 * 2 if dtype == "float32" else 3 * 5)
+            assert len(stacked) == (3 * 3 if dtype == "float32" else 0)
+            assert all(m.weight.device.type == "cpu" for m in stacked)   # views of their own arena bytes
             head = model.worker.hf_model.lm_head
             embed = model.worker.hf_model.model.embed_tokens
             for m in packed + fused:   # the plain weights gave their pages back; a tied head's table is the embedding

@@ -80,3 +80,23 @@ def test_cuda_deployments_of_one_worker_without_morphing_stack():
     assert EngineConfig(device="cuda").packs_weights
     assert not EngineConfig(device="cuda", morph="manual").packs_weights
     assert not EngineConfig(device="cuda", packed_weights="off").packs_weights
+
+
+def test_an_engine_without_onednn_packing_stacks_and_keeps_hfs_greedy_tokens(tiny_checkpoint, monkeypatch):
+    """Where oneDNN cannot pack (ATen GEMMs forced here; bf16 on an AVX2-only CPU), a single worker still runs
+    q/k/v and gate/up as one GEMM each, the MLP's silu(gate) * up straight from the product: HF's greedy tokens."""
+    from elastic_hf import ElasticModel
+    from elastic_hf.layers.swiglu_mlp import SwiGLUMLP
+    from elastic_hf.model.loader import load_hf_model
+    from greedy_reference import hf_greedy, mixed_prompts
+
+    monkeypatch.setenv("ELASTIC_HF_CPU_GEMM", "aten")
+    path = tiny_checkpoint("llama")
+    ref, tokenizer = load_hf_model(path)
+    prompts = mixed_prompts(tokenizer, 4, 5, 40, seed=7)
+    with ElasticModel.from_pretrained(path, kv_cache_memory=4 << 20, max_num_batched_tokens=32) as model:
+        layer = model.worker.loaded.layers[0]
+        assert type(layer.self_attn.q_proj) is FusedMemberLinear and not layer.self_attn.q_proj.fused.packed
+        assert type(layer.mlp) is SwiGLUMLP
+        tokens = [list(o.outputs[0].token_ids) for o in model.generate(prompts, max_tokens=8)]
+    assert tokens == [hf_greedy(ref, p, 8) for p in prompts]
