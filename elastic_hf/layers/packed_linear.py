@@ -156,10 +156,15 @@ def pack_fused(group: list[nn.Linear]) -> int:
     bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
     packed = torch.ops.mkldnn._reorder_linear_weight(stacked, PACK_BATCH_HINT)
     del stacked
-    product = FusedProduct(packed, bias, len(group))
+    make_members(group, FusedProduct(packed, bias, len(group)))
+    return int(torch.ops.mkldnn._nbytes(packed)) + (0 if bias is None else bias.numel() * bias.element_size())
+
+
+def make_members(group: list[nn.Linear], product: FusedProduct) -> None:
+    """Switch every linear of `group` to FusedMemberLinear over `product`, in place: member i reads the columns
+    after those of members 0..i-1."""
     start = 0
     for module in group:
         module.fused, module.column_start = product, start
         module.__class__ = FusedMemberLinear
         start += module.out_features
-    return int(torch.ops.mkldnn._nbytes(packed)) + (0 if bias is None else bias.numel() * bias.element_size())

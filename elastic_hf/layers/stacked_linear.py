@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from elastic_hf.layers.packed_linear import FusedMemberLinear, FusedProduct
+from elastic_hf.layers.packed_linear import FusedProduct, make_members
 
 
 def stackable(group: list[nn.Module]) -> bool:
@@ -42,9 +42,4 @@ def stack_fused(group: list[nn.Linear], stacked: torch.Tensor) -> None:
     if tuple(stacked.shape) != (rows, cols) or stacked.data_ptr() != first.data_ptr() or stacked.dtype != first.dtype:
         raise ValueError(f"the stacked weight must be a [{rows}, {cols}] {first.dtype} view from the first member's "
                          f"weight, got {tuple(stacked.shape)} {stacked.dtype}")
-    product = FusedProduct(stacked, None, len(group), packed=False)
-    start = 0
-    for module in group:
-        module.fused, module.column_start = product, start
-        module.__class__ = FusedMemberLinear
-        start += module.out_features
+    make_members(group, FusedProduct(stacked, None, len(group), packed=False))
