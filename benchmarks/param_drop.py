@@ -1,6 +1,7 @@
 """KunServe parameter dropping under the largest burst of the Azure code trace, side by side with data parallelism,
 a static pipeline, a TP merge and precision morphing on the same 2 workers and the same KV budget per worker, plus
-the ablations of KunServe §5.3/§5.5 (blocking exchange, coordinated exchange, lookahead, no restore).
+the ablations of KunServe §5.3/§5.5 (blocking exchange, coordinated exchange, lookahead, no restore) and, on
+request (`--configs ...,paced`), the exchange held to its CPU cap while requests queue for its memory.
 
     python benchmarks/param_drop.py [--num-requests 80 --weight-share 0.5,0.3 --runs 3 --configs dp,pp,kunserve
                                      --cost-profile PATH --plot out/benchmarks/param_drop.png]
@@ -74,9 +75,10 @@ from regime import (add_weight_share_arg, kv_bytes_for_share, measured_weights_b
 from replay import (TRACE_NAME, ReplayReport, ReplayRequest, TraceRow, TraceScale, build_requests,  # noqa: E402
                     load_trace, percentile, run_replay, scale_trace, time_scale_for_rate)
 
-CONFIGS = ("dp", "pp", "tp-merge", "morph", "kunserve", "+drop", "+exchange", "no-restore")
+CONFIGS = ("dp", "pp", "tp-merge", "morph", "kunserve", "+drop", "+exchange", "no-restore", "paced")
+DEFAULT_CONFIGS = CONFIGS[:-1]   # "paced" on request: the exchange held to its cap while requests queue
 ALIASES = {"+lookahead": "kunserve"}
-DROP_CONFIGS = ("kunserve", "+drop", "+exchange", "no-restore")
+DROP_CONFIGS = ("kunserve", "+drop", "+exchange", "no-restore", "paced")
 STEP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 REQUEST_KV_SHARE = 0.8      # a request (prompt + output) takes at most this share of one DP instance's KV
 CALIBRATION_KV_BLOCKS = 256  # the calibration deployment's KV per worker: 64 sequences of ~45 tokens on one instance
@@ -344,6 +346,9 @@ def config_options(name: str, args, hysteresis: dict, cost_profile: str | None) 
         # restore_below must be > 0, and an idle deployment's demand (0) is below any positive threshold: only a
         # restore hold longer than the run keeps it from restoring.
         drop.update(restore_below=0.01, restore_hold_steps=10 ** 9)
+    elif name == "paced":   # the cap is not lifted while requests queue for the exchange's memory
+        from elastic_hf.config import OverloadConfig
+        drop.update(exchange_cpu_share_queued=OverloadConfig.exchange_cpu_share)
     return {**base, "topology": (1, 1), "overload": drop, "cost_profile": cost_profile}
 
 
@@ -516,11 +521,12 @@ def print_results(runs: dict[str, list[Run]], slo: tuple[float, float]) -> None:
         if any(e != "-" for e in extra):
             print(f"  {name}: " + " | ".join(extra))
     ablation = [(label, name) for label, name in (("+drop", "+drop"), ("+exchange", "+exchange"),
-                                                   ("+lookahead", "kunserve"), ("no-restore", "no-restore"))
+                                                   ("+lookahead", "kunserve"), ("no-restore", "no-restore"),
+                                                   ("paced", "paced"))
                 if name in runs]
     if len(ablation) > 1:
         print("\nablation (KunServe §5.3, §5.5): blocking exchange -> coordinated exchange -> lookahead "
-              "micro-batches (= kunserve) -> without restore")
+              "micro-batches (= kunserve) -> without restore; paced: the exchange's cap kept while requests queue")
         for label, name in ablation:
             group = runs[name]
             print(f"  {label:<11} TTFT p99 {median_spread([r.report.ttft(99) for r in group])}  TPOT p50 "
@@ -607,7 +613,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-memory", default=None,
                     help="KV bytes per worker as a DP instance for every config, instead of --weight-share")
     ap.add_argument("--runs", type=int, default=3, help="replays per config and regime, alternating configs")
-    ap.add_argument("--configs", default=",".join(CONFIGS),
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated subset of {', '.join(CONFIGS)} (+lookahead = kunserve)")
     ap.add_argument("--cost-profile", default=None,
                     help="`elastic-hf profile-cost` JSON for the drop configs (default: profile a small grid now "

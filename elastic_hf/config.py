@@ -93,8 +93,9 @@ class OverloadConfig:
     or merged layout is restored below `restore_below` of the undropped capacity held for `restore_hold_steps`;
     nothing new starts for `cooldown_steps` after a restore. `exchange` and `lookahead` exist for ablations: a
     drop's KV moves "coordinated" (on a thread of each worker beside the steps, queued requests run meanwhile; while
-    a step runs the thread takes at most `exchange_cpu_share` of a core) or "blocking" (all of it inside the
-    transaction); lookahead micro-batches need a cost profile (EngineConfig.cost_profile)."""
+    a step runs the thread takes at most `exchange_cpu_share` of a core, `exchange_cpu_share_queued` while requests
+    wait in the queue for the memory it frees) or "blocking" (all of it inside the transaction); lookahead
+    micro-batches need a cost profile (EngineConfig.cost_profile)."""
     mode: str = "off"
     trigger: float = 1.0
     hold_steps: int = 3
@@ -107,6 +108,9 @@ class OverloadConfig:
     cooldown_steps: int = 64
     exchange: str = "coordinated"
     exchange_cpu_share: float = 0.25   # on a 2-core CPU: steps ~1.2x during the exchange (kv_exchange.py)
+    # Requests queued behind the exchange's memory: the steps it would slow are short of KV anyway, and the parked
+    # requests wait for all of it, so it takes the CPU it needs (its work is the same, only sooner over)
+    exchange_cpu_share_queued: float = 1.0
     lookahead: bool = True
 
     def __post_init__(self):
@@ -122,8 +126,9 @@ class OverloadConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.exchange not in ("coordinated", "blocking"):
             raise ValueError(f"exchange must be 'coordinated' or 'blocking', got {self.exchange!r}")
-        if not 0 < self.exchange_cpu_share <= 1:
-            raise ValueError(f"exchange_cpu_share must be in (0, 1], got {self.exchange_cpu_share}")
+        for name in ("exchange_cpu_share", "exchange_cpu_share_queued"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
 
 PREFIX_CACHING_HASH_ALGOS = ("sha256", "builtin")   # kv/prefix_cache.py

@@ -25,13 +25,13 @@ class StepFaultExtension:
         step at once, well inside the collective timeout, and the next step must run)."""
         self.step_fault_armed = True
 
-    def execute_pipeline(self, micro_batches, sampling=None):
+    def execute_pipeline(self, micro_batches, sampling=None, exchange_cpu_share=None):
         if not self.step_fault_armed:
-            return super().execute_pipeline(micro_batches, sampling)
+            return super().execute_pipeline(micro_batches, sampling, exchange_cpu_share)
         self.step_fault_armed = False
         runner = self.instance.runner
         self.instance.runner = _FailingRunner(self.me)
         try:
-            return super().execute_pipeline(micro_batches, sampling)
+            return super().execute_pipeline(micro_batches, sampling, exchange_cpu_share)
         finally:
             self.instance.runner = runner

@@ -155,18 +155,20 @@ class Executor(ABC):
         rank 0's logits [num_sampling_seqs, vocab], or its SampledStep when `sampling` is given."""
         return self.collective_rpc("execute", (inputs, sampling), workers, self.step_timeout(inputs))[0]
 
-    def execute_pipeline(self, workers: tuple[int, ...], micro_batches: list[list], sampling: list | None = None
-                         ) -> list[tuple]:
+    def execute_pipeline(self, workers: tuple[int, ...], micro_batches: list[list], sampling: list | None = None,
+                         exchange_cpu_share: float | None = None) -> list[tuple]:
         """One step of a pipelined instance: every worker gets all micro-batches; (result, stage stats) per worker,
-        the last stage's rank 0 holding the logits (or SampledStep)."""
+        the last stage's rank 0 holding the logits (or SampledStep). exchange_cpu_share: a new cap for a KV
+        exchange in flight on these workers (parallel/worker_exchange.py), None: unchanged."""
         timeout = self.step_timeout([i for batch in micro_batches for i in batch])
-        return self.collective_rpc("execute_pipeline", (micro_batches, sampling), workers, timeout)
+        return self.collective_rpc("execute_pipeline", (micro_batches, sampling, exchange_cpu_share), workers,
+                                   timeout)
 
-    def submit_pipeline(self, workers: tuple[int, ...], micro_batches: list[list], sampling: list | None = None
-                        ) -> PendingRPC:
+    def submit_pipeline(self, workers: tuple[int, ...], micro_batches: list[list], sampling: list | None = None,
+                        exchange_cpu_share: float | None = None) -> PendingRPC:
         """execute_pipeline without waiting: wait_rpc(call) gives its results."""
         timeout = self.step_timeout([i for batch in micro_batches for i in batch])
-        return self.submit_rpc("execute_pipeline", (micro_batches, sampling), workers, timeout)
+        return self.submit_rpc("execute_pipeline", (micro_batches, sampling, exchange_cpu_share), workers, timeout)
 
     # ------------------------------------------------------------------ shorthands
     def call(self, worker: int, method: str | Callable, *args):

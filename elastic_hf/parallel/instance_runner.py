@@ -34,6 +34,9 @@ class InstanceRunner:
         self.cost_fit: OnlineCostFit | None = None
         # (stage stats of every worker) -> None: a KV exchange's progress rides on them (OverloadControl)
         self.on_stage_reports = None
+        # the CPU-share cap of a KV exchange on these workers, sent with every step (None: unchanged; OverloadControl
+        # sets it at each step boundary while an exchange is in flight)
+        self.exchange_cpu_share: float | None = None
 
     def execute(self, inputs):
         return self._run(inputs, None)   # [num_sampling_seqs, vocab]
@@ -61,7 +64,7 @@ class InstanceRunner:
         busy; on a CPU every further micro-batch pays the weight stream again); a batch with prefill chunks is
         still cut per stage, so a long prompt alone in the pipe does not leave the other stages idle."""
         micro_batches = self._micro_batches(inputs, whole=all(len(s.token_ids) == 1 for s in inputs))
-        call = self.pool.submit_pipeline(self.workers, micro_batches, sampling)
+        call = self.pool.submit_pipeline(self.workers, micro_batches, sampling, self.exchange_cpu_share)
         return lambda: self._pipeline_result(micro_batches, self.pool.wait_rpc(call))
 
     def _micro_batches(self, inputs, whole: bool = False) -> list[list]:
@@ -75,7 +78,8 @@ class InstanceRunner:
         if self.shape.pp == 1:
             return self.pool.execute_model(self.workers, inputs, sampling)
         micro_batches = self._micro_batches(inputs)
-        return self._pipeline_result(micro_batches, self.pool.execute_pipeline(self.workers, micro_batches, sampling))
+        return self._pipeline_result(micro_batches, self.pool.execute_pipeline(self.workers, micro_batches, sampling,
+                                                                               self.exchange_cpu_share))
 
     def _pipeline_result(self, micro_batches: list[list], results: list[tuple]):
         model = self.lookahead

@@ -28,6 +28,8 @@ class ExchangeStats:
     seconds: float = 0.0           # transfer work of the busiest worker (beside the steps, not in them)
     paced_seconds: float = 0.0     # time that worker held back for the steps (the CPU-share cap)
     polls: int = 0                 # step boundaries the exchange spanned
+    queued_boundaries: int = 0     # of which with requests queued (its CPU cap lifted, OverloadControl)
+    max_cpu_share: float = 0.0     # the highest cap a worker reported
     wall_seconds: float = 0.0      # commit to the end
 
 
@@ -57,6 +59,7 @@ class KVExchange:
         """A worker's progress as its pipeline step returned it (called from the instances' step threads)."""
         self.reports[worker] = report
         self._boundaries_since_report[worker] = 0
+        self.stats.max_cpu_share = max(self.stats.max_cpu_share, report.get("cpu_share", 0.0))
 
     def poll(self, idle: bool) -> bool:
         """At a step boundary: the workers' latest progress (asked by RPC when `idle`, i.e. no batch in flight, or

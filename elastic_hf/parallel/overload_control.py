@@ -85,6 +85,19 @@ class OverloadControl:
         decision = self.arbiter.decide(snap)
         if decision is not None:
             self.execute(decision, snap)
+        self._pace_exchange()
+
+    def _pace_exchange(self) -> None:
+        """The exchange's CPU cap for the next steps of its instances: lifted while requests queue for KV blocks
+        (they are admitted when it ends, and the parked ones resume then), the policy's cap otherwise."""
+        exchange = self.exchange
+        share = None
+        if exchange is not None:
+            queued = any(i.engine.scheduler.waiting for i in exchange.instances)
+            share = self.policy.exchange_cpu_share_queued if queued else self.policy.exchange_cpu_share
+            exchange.stats.queued_boundaries += queued
+        for inst in self.dep.instances:
+            inst.runner.exchange_cpu_share = share if exchange is not None and inst in exchange.instances else None
 
     def apply_lookahead(self) -> None:
         """Every pipelined instance cuts its steps by the cost model (KunServe §4.3), a static pipeline as well as a
@@ -344,4 +357,5 @@ def _exchange_dict(exchange: KVExchange) -> dict:
     return {"done": exchange.done, "layers_moved": s.layers, "step_boundaries": s.polls, "sent_bytes": s.sent_bytes,
             "seconds": round(s.seconds, 4), "paced_seconds": round(s.paced_seconds, 4),
             "wall_seconds": round(s.wall_seconds, 4), "parked_seqs": s.num_parked_seqs,
+            "queued_boundaries": s.queued_boundaries, "max_cpu_share": s.max_cpu_share,
             "stalled_now": exchange.num_parked}

@@ -237,12 +237,15 @@ class Worker:
             return None
         return logits if sampling is None else sample_remote(logits, sampling)
 
-    def execute_pipeline(self, micro_batches, sampling=None):
+    def execute_pipeline(self, micro_batches, sampling=None, exchange_cpu_share: float | None = None):
         """One step of this worker's pipeline stage over the step's micro-batches (parallel/pipeline.py). The last
         stage's rank 0 returns the logits of all of them in order (sampled into a SampledStep with `sampling`, as
-        `execute`), the others None; each returns its stage timings (busy, wall, bubble ratio) alongside."""
+        `execute`), the others None; each returns its stage timings (busy, wall, bubble ratio) alongside.
+        exchange_cpu_share: the cap of a KV exchange in flight from now on (worker_exchange.py)."""
         if self.links is None:
             raise RuntimeError(f"worker {self.me} is not a pipeline stage in topology {self.topology}")
+        if exchange_cpu_share is not None and self.exchange is not None:
+            self.exchange.set_cpu_share(exchange_cpu_share)
         role = self.topology.role(self.me)
         with self._stepping():
             logits, stats = run_pipeline_step(self.instance.runner, self.links, micro_batches)

@@ -8,7 +8,8 @@ The transfer runs on a thread of its own, concurrently with the steps the main t
 requests (the steps never touch the parked requests' blocks, the only rows the exchange writes), over a process group of
 its own (parallel/groups.py), each chunk last layer first. While a step runs, the thread holds itself to `cpu_share` of
 one core: after a layer that took t seconds of its CPU time it sleeps t * (1 - share) / share, so the step keeps the
-rest of the core; with no step running it moves at full speed. Each pipeline step returns `report()` with its stage
+rest of the core; with no step running it moves at full speed. Each pipeline step may carry a new share
+(`set_cpu_share`: the control plane lifts the cap while queued requests wait for the memory the exchange frees). Each pipeline step returns `report()` with its stage
 stats (an idle deployment asks `progress`), and the control plane calls `finish` once every worker is done, which
 returns the rest of the old pool's pages to the budget (the instance's KV manager then grows its serving pool into them;
 `room_blocks` says how far, less what the chunks still commit while the exchange runs). Reached as "exchange.<method>"
@@ -113,6 +114,12 @@ class KVExchangeParticipant:
         self._idle.clear()
         self._jobs.put(self._run)
 
+    def set_cpu_share(self, cpu_share: float) -> None:
+        """The cap from the next layer on (a step of the exchange's pipeline carries it, parallel/worker.py)."""
+        if not 0 < cpu_share <= 1:
+            raise ValueError(f"cpu_share must be in (0, 1], got {cpu_share}")
+        self._cpu_share = cpu_share
+
     def _serve(self) -> None:
         _warm_up()
         while True:
@@ -176,7 +183,7 @@ class KVExchangeParticipant:
         work, bytes, the error of a failed transfer. Every pipeline step returns it with its stage stats."""
         if not self._started:
             return None
-        return {"done": self._idle.is_set(), "error": self._error, **self._progress}
+        return {"done": self._idle.is_set(), "error": self._error, "cpu_share": self._cpu_share, **self._progress}
 
     def progress(self) -> dict:
         """report() as an RPC (an idle deployment asks): raises when the transfer failed (the control plane then

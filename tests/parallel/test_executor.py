@@ -32,8 +32,8 @@ class _Echo:
     def execute(self, inputs, sampling):
         return ("logits", self.me, inputs, sampling)
 
-    def execute_pipeline(self, micro_batches, sampling):
-        return ("stage", self.me, micro_batches), {"busy_s": 0.0}
+    def execute_pipeline(self, micro_batches, sampling, exchange_cpu_share):
+        return ("stage", self.me, micro_batches), {"busy_s": 0.0, "exchange_cpu_share": exchange_cpu_share}
 
 
 class _LocalExecutor(Executor):
@@ -64,6 +64,7 @@ def test_an_executor_is_four_methods_and_gets_the_step_paths():
     ex = _LocalExecutor(3)
     assert ex.execute_model((1, 2), ["in"], ["s"]) == ("logits", 1, ["in"], ["s"])     # the first rank's answer
     assert [r[0][1] for r in ex.execute_pipeline((0, 2), [["mb"]])] == [0, 2]
+    assert [r[1]["exchange_cpu_share"] for r in ex.execute_pipeline((0, 1), [["mb"]], None, 1.0)] == [1.0, 1.0]
     assert ex.call(2, "execute", [], None)[1] == 2 and len(ex.call_many([0, 1], Worker.execute, [], None)) == 2
     ex.dead = [1]
     assert ex.dead_workers() == ex.check_health() == [1]

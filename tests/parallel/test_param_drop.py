@@ -367,6 +367,10 @@ def test_overload_mode_drop_acts_and_restores_on_its_own(drop_checkpoint, refere
         events = [(h["event"], h["outcome"]) for h in model.overload_state()["history"]
                   if h["event"] != "exchange_done"]
         assert events == [("drop", "committed"), ("restore", "committed")], events
+        # ~2x what the instances hold: requests queued behind the exchange, whose CPU cap was lifted meanwhile
+        exchange = [h for h in model.overload_state()["history"] if h["event"] == "exchange_done"][0]
+        assert 0 < exchange["queued_boundaries"] <= exchange["step_boundaries"], exchange
+        assert exchange["max_cpu_share"] == 1.0, exchange   # the steps carried the lifted cap to the workers
         assert str(dep.topology) == "[1,1]"
         metrics = dep.metrics.registry.get_sample_value
         assert metrics("elastic_hf_param_drops_total", {"outcome": "committed"}) == 1

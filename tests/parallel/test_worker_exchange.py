@@ -104,6 +104,23 @@ def test_wait_lifts_the_cap(monkeypatch):
     assert time.perf_counter() - started < 1.5
 
 
+def test_a_new_share_from_a_step_takes_effect_from_the_next_layer(monkeypatch):
+    """The control plane lifts the cap while requests queue for the memory the exchange frees: a step carries the
+    new share (Worker.execute_pipeline), and the layers after it are no longer paced."""
+    def lift_at_layer_2(worker, layer):
+        if layer == 2:
+            worker.part.set_cpu_share(1.0)
+
+    part, worker = _participant(monkeypatch, in_step=True, during_layer=lift_at_layer_2)
+    worker.part = part
+    part.start(cpu_share=0.25)
+    report = _until_done(part)
+    # layers 0 and 1 paced (~60 ms each), layer 2 on: none
+    assert LAYER_S * 3 * 2 * 0.9 <= report["paced_seconds"] < LAYER_S * 3 * 3, report
+    with pytest.raises(ValueError, match=r"cpu_share must be in \(0, 1\], got 1.5"):
+        part.set_cpu_share(1.5)
+
+
 def test_failed_transfer_is_reported_and_abort_frees_the_participant(monkeypatch):
     part, worker = _participant(monkeypatch, in_step=False, fail_at=2)
     part.start(cpu_share=0.5)
