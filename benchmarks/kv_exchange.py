@@ -10,7 +10,8 @@ Variants, alternating within each of --runs rounds on one deployment (restored t
   control          the running requests are aborted just before the drop: nothing moves, the queued requests run on
                    the pipeline alone (the steps without an exchange);
   overlapped@S     the KV moves on each worker's exchange thread beside the steps, held to S of a core while a step
-                   runs (OverloadConfig.exchange_cpu_share), the queued requests run meanwhile;
+                   runs (OverloadConfig.exchange_cpu_share and exchange_cpu_share_queued both S), the queued
+                   requests run meanwhile;
   blocking         the whole KV moves inside the drop's transaction (exchange="blocking"): nothing steps meanwhile.
 Reported: the drop call's time (the stop-the-world part), the exchange's wall time, the steps it spanned, the step
 time overhead (the steps run while the exchange was in flight against the control's first as many steps, same
@@ -54,7 +55,8 @@ def run_variant(dep, variant: str, running_prompts, queued_prompts, steps: int) 
 
     overload = dep.overload
     share = float(variant.split("@")[1]) if variant.startswith("overlapped") else 1.0
-    overload.policy = dataclasses.replace(overload.policy, exchange_cpu_share=share,
+    # the same cap with and without a queue: each variant measures one share
+    overload.policy = dataclasses.replace(overload.policy, exchange_cpu_share=share, exchange_cpu_share_queued=share,
                                           exchange="blocking" if variant == "blocking" else "coordinated")
     params = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)   # never reached
     running = [dep.add_request(None, p, params) for p in running_prompts]

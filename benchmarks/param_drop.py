@@ -348,7 +348,7 @@ def config_options(name: str, args, hysteresis: dict, cost_profile: str | None) 
         drop.update(restore_below=0.01, restore_hold_steps=10 ** 9)
     elif name == "paced":   # the cap is not lifted while requests queue for the exchange's memory
         from elastic_hf.config import OverloadConfig
-        drop.update(exchange_cpu_share_queued=OverloadConfig.exchange_cpu_share)
+        drop.update(exchange_cpu_share_queued=OverloadConfig().exchange_cpu_share)
     return {**base, "topology": (1, 1), "overload": drop, "cost_profile": cost_profile}
 
 
