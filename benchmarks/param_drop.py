@@ -1,7 +1,7 @@
 """KunServe parameter dropping under the largest burst of the Azure code trace, side by side with data parallelism,
 a static pipeline, a TP merge and precision morphing on the same 2 workers and the same KV budget per worker, plus
 the ablations of KunServe §5.3/§5.5 (blocking exchange, coordinated exchange, lookahead, no restore) and, on
-request (`--configs ...,paced`), the exchange held to its CPU cap while requests queue for its memory.
+request (`--configs ...,lifted`), the exchange at full speed while requests queue for its memory.
 
     python benchmarks/param_drop.py [--num-requests 80 --weight-share 0.5,0.3 --runs 3 --configs dp,pp,kunserve
                                      --cost-profile PATH --plot out/benchmarks/param_drop.png]
@@ -75,10 +75,10 @@ from regime import (add_weight_share_arg, kv_bytes_for_share, measured_weights_b
 from replay import (TRACE_NAME, ReplayReport, ReplayRequest, TraceRow, TraceScale, build_requests,  # noqa: E402
                     load_trace, percentile, run_replay, scale_trace, time_scale_for_rate)
 
-CONFIGS = ("dp", "pp", "tp-merge", "morph", "kunserve", "+drop", "+exchange", "no-restore", "paced")
-DEFAULT_CONFIGS = CONFIGS[:-1]   # "paced" on request: the exchange held to its cap while requests queue
+CONFIGS = ("dp", "pp", "tp-merge", "morph", "kunserve", "+drop", "+exchange", "no-restore", "lifted")
+DEFAULT_CONFIGS = CONFIGS[:-1]   # "lifted" on request: the exchange at full speed while requests queue
 ALIASES = {"+lookahead": "kunserve"}
-DROP_CONFIGS = ("kunserve", "+drop", "+exchange", "no-restore", "paced")
+DROP_CONFIGS = ("kunserve", "+drop", "+exchange", "no-restore", "lifted")
 STEP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 REQUEST_KV_SHARE = 0.8      # a request (prompt + output) takes at most this share of one DP instance's KV
 CALIBRATION_KV_BLOCKS = 256  # the calibration deployment's KV per worker: 64 sequences of ~45 tokens on one instance
@@ -346,9 +346,8 @@ def config_options(name: str, args, hysteresis: dict, cost_profile: str | None) 
         # restore_below must be > 0, and an idle deployment's demand (0) is below any positive threshold: only a
         # restore hold longer than the run keeps it from restoring.
         drop.update(restore_below=0.01, restore_hold_steps=10 ** 9)
-    elif name == "paced":   # the cap is not lifted while requests queue for the exchange's memory
-        from elastic_hf.config import OverloadConfig
-        drop.update(exchange_cpu_share_queued=OverloadConfig().exchange_cpu_share)
+    elif name == "lifted":   # the exchange's cap lifted while requests queue for its memory
+        drop.update(exchange_cpu_share_queued=1.0)
     return {**base, "topology": (1, 1), "overload": drop, "cost_profile": cost_profile}
 
 
@@ -522,11 +521,11 @@ def print_results(runs: dict[str, list[Run]], slo: tuple[float, float]) -> None:
             print(f"  {name}: " + " | ".join(extra))
     ablation = [(label, name) for label, name in (("+drop", "+drop"), ("+exchange", "+exchange"),
                                                    ("+lookahead", "kunserve"), ("no-restore", "no-restore"),
-                                                   ("paced", "paced"))
+                                                   ("lifted", "lifted"))
                 if name in runs]
     if len(ablation) > 1:
         print("\nablation (KunServe §5.3, §5.5): blocking exchange -> coordinated exchange -> lookahead "
-              "micro-batches (= kunserve) -> without restore; paced: the exchange's cap kept while requests queue")
+              "micro-batches (= kunserve) -> without restore; lifted: the exchange uncapped while requests queue")
         for label, name in ablation:
             group = runs[name]
             print(f"  {label:<11} TTFT p99 {median_spread([r.report.ttft(99) for r in group])}  TPOT p50 "

@@ -93,8 +93,8 @@ class OverloadConfig:
     or merged layout is restored below `restore_below` of the undropped capacity held for `restore_hold_steps`;
     nothing new starts for `cooldown_steps` after a restore. `exchange` and `lookahead` exist for ablations: a
     drop's KV moves "coordinated" (on a thread of each worker beside the steps, queued requests run meanwhile; while
-    a step runs the thread takes at most `exchange_cpu_share` of a core, `exchange_cpu_share_queued` while requests
-    wait in the queue for the memory it frees) or "blocking" (all of it inside the transaction); lookahead
+    a step runs the thread takes at most `exchange_cpu_share` of a core, or `exchange_cpu_share_queued` if set while
+    requests wait in the queue for the memory it frees) or "blocking" (all of it inside the transaction); lookahead
     micro-batches need a cost profile (EngineConfig.cost_profile)."""
     mode: str = "off"
     trigger: float = 1.0
@@ -108,9 +108,10 @@ class OverloadConfig:
     cooldown_steps: int = 64
     exchange: str = "coordinated"
     exchange_cpu_share: float = 0.25   # on a 2-core CPU: steps ~1.2x during the exchange (kv_exchange.py)
-    # Requests queued behind the exchange's memory: the steps it would slow are short of KV anyway, and the parked
-    # requests wait for all of it, so it takes the CPU it needs (its work is the same, only sooner over)
-    exchange_cpu_share_queued: float = 1.0
+    # the cap while requests queue for the memory the exchange frees (None: exchange_cpu_share). 1 ends it sooner for
+    # the parked and queued requests at the cost of the steps beside it; on a 2-core CPU it measured no better
+    # (benchmarks/param_drop.py --configs kunserve,lifted,pp; benchmarks/RESULTS.md)
+    exchange_cpu_share_queued: float | None = None
     lookahead: bool = True
 
     def __post_init__(self):
@@ -127,8 +128,10 @@ class OverloadConfig:
         if self.exchange not in ("coordinated", "blocking"):
             raise ValueError(f"exchange must be 'coordinated' or 'blocking', got {self.exchange!r}")
         for name in ("exchange_cpu_share", "exchange_cpu_share_queued"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+            value = getattr(self, name)
+            if (value is not None or name == "exchange_cpu_share") and not (isinstance(value, (int, float))
+                                                                             and 0 < value <= 1):
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
 
 
 PREFIX_CACHING_HASH_ALGOS = ("sha256", "builtin")   # kv/prefix_cache.py

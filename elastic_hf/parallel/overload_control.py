@@ -88,13 +88,15 @@ class OverloadControl:
         self._pace_exchange()
 
     def _pace_exchange(self) -> None:
-        """The exchange's CPU cap for the next steps of its instances: lifted while requests queue for KV blocks
-        (they are admitted when it ends, and the parked ones resume then), the policy's cap otherwise."""
-        exchange = self.exchange
+        """The exchange's CPU cap for the next steps of its instances: `exchange_cpu_share_queued` while requests
+        queue for KV blocks (they are admitted when it ends, and the parked ones resume then), if set; the policy's
+        cap otherwise."""
+        exchange, policy = self.exchange, self.policy
         share = None
         if exchange is not None:
             queued = any(i.engine.scheduler.waiting for i in exchange.instances)
-            share = self.policy.exchange_cpu_share_queued if queued else self.policy.exchange_cpu_share
+            share = policy.exchange_cpu_share_queued if queued and policy.exchange_cpu_share_queued is not None \
+                else policy.exchange_cpu_share
             exchange.stats.queued_boundaries += queued
         for inst in self.dep.instances:
             inst.runner.exchange_cpu_share = share if exchange is not None and inst in exchange.instances else None

@@ -356,7 +356,8 @@ def test_overload_mode_drop_acts_and_restores_on_its_own(drop_checkpoint, refere
     ref, tokenizer = reference
     prompts = mixed_prompts(tokenizer, 20, 30, 90, seed=36)   # ~2x what the two instances hold
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-    overload = {"mode": "drop", "hold_steps": 1, "restore_hold_steps": 3, "cooldown_steps": 4}
+    overload = {"mode": "drop", "hold_steps": 1, "restore_hold_steps": 3, "cooldown_steps": 4,
+                "exchange_cpu_share_queued": 1.0}
     with _model(drop_checkpoint, overload=overload) as model:
         dep = model.deployment
         run = Driver(dep)
@@ -368,6 +369,7 @@ def test_overload_mode_drop_acts_and_restores_on_its_own(drop_checkpoint, refere
                   if h["event"] != "exchange_done"]
         assert events == [("drop", "committed"), ("restore", "committed")], events
         # ~2x what the instances hold: requests queued behind the exchange, whose CPU cap was lifted meanwhile
+        # (exchange_cpu_share_queued)
         exchange = [h for h in model.overload_state()["history"] if h["event"] == "exchange_done"][0]
         assert 0 < exchange["queued_boundaries"] <= exchange["step_boundaries"], exchange
         assert exchange["max_cpu_share"] == 1.0, exchange   # the steps carried the lifted cap to the workers
