@@ -93,9 +93,8 @@ class OverloadConfig:
     or merged layout is restored below `restore_below` of the undropped capacity held for `restore_hold_steps`;
     nothing new starts for `cooldown_steps` after a restore. `exchange` and `lookahead` exist for ablations: a
     drop's KV moves "coordinated" (on a thread of each worker beside the steps, queued requests run meanwhile; while
-    a step runs the thread takes at most `exchange_cpu_share` of a core, or `exchange_cpu_share_queued` if set while
-    requests wait in the queue for the memory it frees) or "blocking" (all of it inside the transaction); lookahead
-    micro-batches need a cost profile (EngineConfig.cost_profile)."""
+    a step runs the thread takes at most `exchange_cpu_share` of a core, `exchange_cpu_share_queued` while requests
+    queue) or "blocking" (inside the transaction); lookahead micro-batches need a cost profile."""
     mode: str = "off"
     trigger: float = 1.0
     hold_steps: int = 3
@@ -108,9 +107,7 @@ class OverloadConfig:
     cooldown_steps: int = 64
     exchange: str = "coordinated"
     exchange_cpu_share: float = 0.25   # on a 2-core CPU: steps ~1.2x during the exchange (kv_exchange.py)
-    # the cap while requests queue for the memory the exchange frees (None: exchange_cpu_share). 1 ends it sooner for
-    # the parked and queued requests at the cost of the steps beside it; on a 2-core CPU it measured no better
-    # (benchmarks/param_drop.py --configs kunserve,lifted,pp; benchmarks/RESULTS.md)
+    # None: exchange_cpu_share; 1 ends it sooner at the steps' cost (2-core CPU: no better, benchmarks/RESULTS.md)
     exchange_cpu_share_queued: float | None = None
     lookahead: bool = True
 
@@ -128,9 +125,8 @@ class OverloadConfig:
         if self.exchange not in ("coordinated", "blocking"):
             raise ValueError(f"exchange must be 'coordinated' or 'blocking', got {self.exchange!r}")
         for name in ("exchange_cpu_share", "exchange_cpu_share_queued"):
-            value = getattr(self, name)
-            if (value is not None or name == "exchange_cpu_share") and not (isinstance(value, (int, float))
-                                                                             and 0 < value <= 1):
+            value = getattr(self, name)   # (the queued cap may be None: the other one then)
+            if not (isinstance(value, (int, float)) and 0 < value <= 1 or value is None and name[-6:] == "queued"):
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
 
 
