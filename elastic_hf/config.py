@@ -124,9 +124,9 @@ class OverloadConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.exchange not in ("coordinated", "blocking"):
             raise ValueError(f"exchange must be 'coordinated' or 'blocking', got {self.exchange!r}")
-        for name in ("exchange_cpu_share", "exchange_cpu_share_queued"):
-            value = getattr(self, name)   # (the queued cap may be None: the other one then)
-            if not (isinstance(value, (int, float)) and 0 < value <= 1 or value is None and name[-6:] == "queued"):
+        queued = self.exchange_cpu_share if self.exchange_cpu_share_queued is None else self.exchange_cpu_share_queued
+        for name, value in (("exchange_cpu_share", self.exchange_cpu_share), ("exchange_cpu_share_queued", queued)):
+            if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
 
 

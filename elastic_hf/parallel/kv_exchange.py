@@ -28,7 +28,7 @@ class ExchangeStats:
     seconds: float = 0.0           # transfer work of the busiest worker (beside the steps, not in them)
     paced_seconds: float = 0.0     # time that worker held back for the steps (the CPU-share cap)
     polls: int = 0                 # step boundaries the exchange spanned
-    queued_boundaries: int = 0     # of which with requests queued (its CPU cap lifted, OverloadControl)
+    queued_boundaries: int = 0     # of which with requests queued (the cap exchange_cpu_share_queued, if set)
     max_cpu_share: float = 0.0     # the highest cap a worker reported
     wall_seconds: float = 0.0      # commit to the end
 

@@ -8,8 +8,8 @@ The transfer runs on a thread of its own, concurrently with the steps the main t
 requests (the steps never touch the parked requests' blocks, the only rows the exchange writes), over a process group of
 its own (parallel/groups.py), each chunk last layer first. While a step runs, the thread holds itself to `cpu_share` of
 one core: after a layer that took t seconds of its CPU time it sleeps t * (1 - share) / share, so the step keeps the
-rest of the core; with no step running it moves at full speed. Each pipeline step may carry a new share
-(`set_cpu_share`: the control plane lifts the cap while queued requests wait for the memory the exchange frees). Each pipeline step returns `report()` with its stage
+rest of the core; with no step running it moves at full speed. A pipeline step may carry a new share (`set_cpu_share`:
+OverloadConfig.exchange_cpu_share_queued while requests queue). Each pipeline step returns `report()` with its stage
 stats (an idle deployment asks `progress`), and the control plane calls `finish` once every worker is done, which
 returns the rest of the old pool's pages to the budget (the instance's KV manager then grows its serving pool into them;
 `room_blocks` says how far, less what the chunks still commit while the exchange runs). Reached as "exchange.<method>"
