@@ -132,9 +132,13 @@ def main() -> None:
                    "eager": Elastic(checkpoint, args.dtype, args.num_requests, True),
                    "eager_fused": Elastic(checkpoint, args.dtype, args.num_requests, True, "on"),
                    "hf": HfStatic(checkpoint, args.dtype, args.num_requests, False)}
-        for engine in engines.values():   # warm-up: captures, Triton compiles, cuBLAS heuristics
-            for prompts, new in workloads.values():
-                engine.generate(prompts, new)
+        # warm-up: captures, Triton compiles, cuBLAS heuristics. Two passes: on an H100 the first engine's first b32
+        # generate after the others had warmed up took 4.3 s instead of 0.3 (once, no graph captured in it; cause
+        # not established), which at --repeats 2 was half of the median (docs/GPU.md, 2026-11-27 second session)
+        for _ in range(2):
+            for engine in engines.values():
+                for prompts, new in workloads.values():
+                    engine.generate(prompts, new)
         samples = {(e, w): [] for e in engines for w in workloads}
         prefill_only = {e: [] for e in engines}
         for _ in tqdm(range(args.repeats), desc="rounds"):

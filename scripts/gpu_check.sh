@@ -31,7 +31,7 @@ if [[ $what == tests || $what == all ]]; then
     grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log"
 fi
 if [[ $what == bench || $what == all ]]; then
-    timeout "${GPU_BENCH_TIMEOUT:-180}" python3 benchmarks/cuda_graphs.py --repeats 3 --profile \
+    timeout "${GPU_BENCH_TIMEOUT:-180}" python3 benchmarks/cuda_graphs.py --repeats "${GPU_BENCH_REPEATS:-3}" --profile \
         > "$OUT/cuda_graphs.log" 2>&1
     grep -v -E "Loading|Writing|rounds" "$OUT/cuda_graphs.log"
     timeout "${GPU_BENCH_1B_TIMEOUT:-200}" python3 benchmarks/cuda_graphs.py --repeats 2 --shape llama-3.2-1b \
