@@ -21,7 +21,7 @@
  *     widened; each V row is loaded (and widened) once for up to 4 (head_dim 64) or 2 (128) query heads, whose
  *     accumulators stay in registers. At 32 decodes of ~100 tokens this is ~2.5x the portable loop. Pages are
  *     scattered, so each 2-4 KiB chunk starts with a DRAM miss the hardware prefetcher cannot foresee: K chunks
- *     are prefetched two blocks ahead and V chunks while their block is scored (a step reads every layer's K/V,
+ *     are prefetched into L2 two blocks ahead and V chunks while their block is scored (a step reads all K/V,
  *     ~100 MB, from DRAM: all 30 layers in turn at 32 decodes of 64-160 tokens, bf16 177 -> 107-118 us a layer,
  *     fp32 258 -> 206-210; benchmarks/paged_decode.py).
  *   - portable C (any head_dim <= MAX_HEAD_DIM, any block size), one head at a time, vectorised by the compiler. */
@@ -193,10 +193,15 @@ static inline __attribute__((always_inline)) void score_block16(
 
 #define PREFETCH_MAX_BYTES 4096   /* of a chunk; the rest streams behind it (large blocks must not flood L1) */
 
+/* Into L2 (T1), not L1 (T0): a thread asks for up to 3 chunks of 32 lines at once, more misses than the L1's
+ * miss buffers hold, so T0 requests queued behind each other and a thread read DRAM at ~6.5 GB/s (it scaled with
+ * threads, not with the machine's ~29.5 GB/s). On the 2-core AVX-512 EPYC, all 30 layers in turn, bf16
+ * (benchmarks/paged_decode.py): 32 x ~134 tokens 251-263 -> 176-198 us a layer, 32 x ~1,050 2.4-3.0 -> 1.40 ms,
+ * 1 x 4,000 264-282 -> 172-179 us; fp32 32 x ~134 412 -> 316 us. The first use of each line then hits L2. */
 static inline __attribute__((always_inline)) void prefetch_chunk(const char *p, int64_t bytes)
 {
     if (bytes > PREFETCH_MAX_BYTES) bytes = PREFETCH_MAX_BYTES;
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
 /* `heads` (<= 4 for head_dim 64, <= 2 for 128; a constant) query heads of one kv head: scores, softmax, then one
