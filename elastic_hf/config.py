@@ -126,8 +126,8 @@ class OverloadConfig:
             raise ValueError(f"exchange must be 'coordinated' or 'blocking', got {self.exchange!r}")
         queued = self.exchange_cpu_share if self.exchange_cpu_share_queued is None else self.exchange_cpu_share_queued
         for name, value in (("exchange_cpu_share", self.exchange_cpu_share), ("exchange_cpu_share_queued", queued)):
-            if not 0 < value <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {value}")
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
 
 
 PREFIX_CACHING_HASH_ALGOS = ("sha256", "builtin")   # kv/prefix_cache.py

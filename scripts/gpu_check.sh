@@ -4,6 +4,7 @@
 # download line); logs go to $OUT (default: gpu-logs/).
 #
 #   bash scripts/gpu_check.sh [tests|bench|all]   (default: all)
+# Environment: GPU_TEST_TIMEOUT, GPU_BENCH_TIMEOUT, GPU_BENCH_1B_TIMEOUT (seconds), GPU_BENCH_REPEATS (rounds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -31,8 +32,8 @@ if [[ $what == tests || $what == all ]]; then
     grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log"
 fi
 if [[ $what == bench || $what == all ]]; then
-    timeout "${GPU_BENCH_TIMEOUT:-180}" python3 benchmarks/cuda_graphs.py --repeats "${GPU_BENCH_REPEATS:-3}" --profile \
-        > "$OUT/cuda_graphs.log" 2>&1
+    timeout "${GPU_BENCH_TIMEOUT:-180}" python3 benchmarks/cuda_graphs.py --repeats "${GPU_BENCH_REPEATS:-3}" \
+        --profile > "$OUT/cuda_graphs.log" 2>&1
     grep -v -E "Loading|Writing|rounds" "$OUT/cuda_graphs.log"
     timeout "${GPU_BENCH_1B_TIMEOUT:-200}" python3 benchmarks/cuda_graphs.py --repeats 2 --shape llama-3.2-1b \
         > "$OUT/cuda_graphs_1b.log" 2>&1

@@ -109,6 +109,8 @@ def test_overload_config_errors_name_the_values():
         OverloadConfig("drop", lead_steps=-1)
     with pytest.raises(ValueError, match="exchange_cpu_share_queued must be in \\(0, 1\\], got 0"):
         OverloadConfig("drop", exchange_cpu_share_queued=0)
+    with pytest.raises(ValueError, match="exchange_cpu_share_queued must be in \\(0, 1\\], got '0.5'"):
+        OverloadConfig("drop", exchange_cpu_share_queued="0.5")
     assert OverloadConfig("drop", exchange_cpu_share_queued=1.0).exchange_cpu_share_queued == 1.0
     with pytest.raises(ValueError, match="num_workers is 1"):
         EngineConfig(overload="drop")
