@@ -168,6 +168,10 @@ class ReplayReport:
     def tpot(self, q: float) -> float:
         return percentile([r.tpot_s for r in self.ok if r.tpot_s is not None], q)
 
+    def latency(self, q: float) -> float:
+        """Send -> last byte, percentile q over the requests that succeeded."""
+        return percentile([r.latency_s for r in self.ok], q)
+
     @property
     def output_throughput(self) -> float:
         return sum(r.output_tokens for r in self.ok) / self.duration_s if self.duration_s else 0.0

@@ -141,15 +141,14 @@ def serving(args, checkpoint: str, vllm: Path, env: dict) -> dict[str, dict[str,
             if not report.ok or len(report.ok) < len(requests):
                 raise RuntimeError(f"{engine}: {len(requests) - len(report.ok)} requests failed: "
                                    f"{[r.error for r in report.results if r.error][:3]}")
-            latency_p50 = statistics.median(r.latency_s for r in report.ok)
             for key, value in zip(keys, (report.ttft(50), report.ttft(95), report.ttft(99), report.tpot(50),
-                                         latency_p50, report.output_throughput, report.slo_attainment)):
+                                         report.latency(50), report.output_throughput, report.slo_attainment)):
                 results[engine][key].append(value)
             per_request[engine] = [{"arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens, "ttft_s": r.ttft_s,
                                     "tpot_s": r.tpot_s, "latency_s": r.latency_s} for r in report.results]
             tqdm.write(f"serving round {round_index + 1}: {engine:8s} TTFT p50/p95/p99 {report.ttft(50):.3f} / "
                        f"{report.ttft(95):.3f} / {report.ttft(99):.3f} s, TPOT p50 {report.tpot(50):.4f} s, "
-                       f"latency p50 {latency_p50:.3f} s, {report.output_throughput:.1f} tok/s, "
+                       f"latency p50 {report.latency(50):.3f} s, {report.output_throughput:.1f} tok/s, "
                        f"SLO {100 * report.slo_attainment:.0f} %")
         for key in results["paired"]:
             pairs = [(v[f"{key}_s"], e[f"{key}_s"]) for v, e in zip(per_request["vllm"], per_request["elastic"])]

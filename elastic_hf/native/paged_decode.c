@@ -191,7 +191,8 @@ static inline __attribute__((always_inline)) void score_block16(
 
 #define PREFETCH_BLOCKS 2   /* K blocks requested ahead of the one being scored */
 
-#define PREFETCH_MAX_BYTES 4096   /* of a chunk; the rest streams behind it (large blocks must not flood L1) */
+/* prefetched bytes of a chunk; the rest streams behind it (large blocks must not flood the miss queues) */
+#define PREFETCH_MAX_BYTES 4096
 
 /* Into L2 (T1), not L1 (T0): a thread asks for up to 3 chunks of 32 lines at once, more misses than the L1's
  * miss buffers hold, so T0 requests queued behind each other and a thread read DRAM at ~6.5 GB/s (it scaled with
