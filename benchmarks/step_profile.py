@@ -29,10 +29,12 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwis
             "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "mkl::_mkl_linear",
             "aten::mkldnn_linear")
 ATTENTION_LABEL = "elastic::paged_attention"
+GEMM_LABEL = "elastic::decode_gemm"     # native/decode_gemm.c through ctypes: no tensor op of its own
+LABELS = (ATTENTION_LABEL, GEMM_LABEL)
 
 
 def classify(name: str) -> str:
-    if name in GEMM_OPS:
+    if name in GEMM_OPS or name == GEMM_LABEL:
         return "gemm"
     return "other ops"
 
@@ -47,13 +49,13 @@ def top_level_ops(events) -> dict[str, float]:
         parent = e.cpu_parent
         inside_op = False
         while parent is not None:
-            if parent.name.startswith(("aten::", "mkldnn::", "mkl::")) or parent.name == ATTENTION_LABEL:
+            if parent.name.startswith(("aten::", "mkldnn::", "mkl::")) or parent.name in LABELS:
                 inside_op = True
                 break
             parent = parent.cpu_parent
         if inside_op:
             continue
-        if e.name.startswith(("aten::", "mkldnn::", "mkl::")) or e.name == ATTENTION_LABEL:
+        if e.name.startswith(("aten::", "mkldnn::", "mkl::")) or e.name in LABELS:
             totals[e.name] += e.cpu_time_total
     return totals
 
@@ -74,8 +76,8 @@ def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, 
         engine.step()
     unprofiled_ms = (time.perf_counter() - start) / num_steps * 1e3
 
-    # the native kernels run through ctypes: label the attention backend's forward to see them (HF's layers reach it
-    # through the AttentionInterface function, the fused layers directly)
+    # the native kernels run through ctypes: label the attention backend's forward (HF's layers reach it through the
+    # AttentionInterface function, the fused layers directly) and the packed linears' native GEMM to see them
     backend = model.worker.instance.runner.attention
     original = backend.forward
 
@@ -84,6 +86,14 @@ def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, 
             return original(*args, **kwargs)
 
     backend.forward = labelled
+    from elastic_hf.layers import packed_linear
+    original_gemm = packed_linear.decode_gemm
+
+    def labelled_gemm(*args):
+        with record_function(GEMM_LABEL):
+            return original_gemm(*args)
+
+    packed_linear.decode_gemm = labelled_gemm
     try:
         walls = []
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -93,6 +103,7 @@ def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, 
                 walls.append(time.perf_counter() - start)
     finally:
         del backend.forward   # the class's method again
+        packed_linear.decode_gemm = original_gemm
     while engine.has_unfinished_requests():
         engine.step()
     ops = top_level_ops(prof.events())

@@ -12,8 +12,13 @@ fp32 path before packing) / packed:
     576 x 1536           58 / 33        79 / 39       195 / 180     107 / 60       349 / 300
     49152 x 576 (head)   4497 / 2238    4653 / 1970   8182 / 5578   6670 / 3030    14039 / 9586
 
-bf16 results are bit-identical to `F.linear` for every M tried (1 to 512); fp32 ones differ in the last bits
-(~1e-6 relative), as the unpacked oneDNN path (layers/cpu_gemm.py) already does. The packed tensor is an opaque
+oneDNN's bf16 results are bit-identical to `F.linear` for every M tried (1 to 512); fp32 ones differ in the last
+bits (~1e-6 relative), as the unpacked oneDNN path (layers/cpu_gemm.py) already does.
+
+Where our own kernel reads oneDNN's packed layout (native/decode_gemm.c: AVX-512, shapes in whole 64-output blocks,
+the layout checked per shape), it runs the product instead of oneDNN's inner product, from the same packed bytes:
+faster at every row count measured, most in bf16 (its docstring has the figures; ELASTIC_HF_DECODE_GEMM=0 turns it
+off). Its bf16 outputs differ from oneDNN's in the last bit of ~0.05 % of outputs. The packed tensor is an opaque
 MKLDNN tensor with exactly the plain weight's byte count; torch cannot build one over an existing buffer, so it
 lives in the CPU allocator, outside the weights arena. PlacedWeights.pack_linears therefore decommits the arena
 pages of every packed weight nobody else reads and charges the packed bytes to the ledger: memory stays the same
@@ -29,6 +34,7 @@ import torch
 from torch import nn
 
 from elastic_hf.layers.cpu_gemm import MIN_ONEDNN_NUMEL, OneDnnLinear, default_backend, onednn_available
+from elastic_hf.native.decode_gemm import decode_gemm, packed_data_ptr, reads_packed
 
 # oneDNN picks the blocked layout for this many rows; measured equally good from decode (M=1) to prefill (M=512).
 PACK_BATCH_HINT = 32
@@ -45,10 +51,38 @@ class PackedLinear(nn.Linear):
     replaced by a meta tensor of the same shape once its pages went back (see PlacedWeights.pack_linears)."""
 
     packed_weight: torch.Tensor
+    direct: DirectProduct | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [..., in_features] -> [..., out_features]
+        direct = self.direct
+        if direct is not None and x.dtype == direct.dtype:
+            return decode_gemm(x, direct.weight_ptr, self.bias, direct.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+class DirectProduct:
+    """What native/decode_gemm.c needs to read a packed weight itself: the buffer's address (taken once: asking
+    oneDNN for it costs an op dispatch, and this runs for every linear of every step), dtype and output size. It
+    holds the packed tensor, so the address stays valid while it lives (an opaque oneDNN tensor cannot be deep-copied
+    or pickled, so neither can a packed linear: no copy can keep a stale address)."""
+
+    __slots__ = ("packed", "weight_ptr", "dtype", "out_features")
+
+    def __init__(self, packed: torch.Tensor, dtype: torch.dtype, out_features: int):
+        self.packed, self.dtype, self.out_features = packed, dtype, out_features
+        self.weight_ptr = packed_data_ptr(packed)
+
+
+def direct_product(packed: torch.Tensor, out_features: int, in_features: int, dtype: torch.dtype,
+                   bias: torch.Tensor | None) -> DirectProduct | None:
+    """The native kernel's handle on `packed` ([out, in] in oneDNN's layout) where it reads that layout (and the
+    bias, if any, is a contiguous vector of the weight's dtype), else None: oneDNN's inner product then runs it."""
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous() or bias.device.type != "cpu"):
+        return None
+    if not reads_packed(out_features, in_features, dtype, PACK_BATCH_HINT):
+        return None
+    return DirectProduct(packed, dtype, out_features)
 
 
 def takes_packing(module: nn.Module) -> bool:
@@ -79,6 +113,8 @@ def pack_linear(module: nn.Linear) -> int:
     packed tensor's bytes."""
     packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_BATCH_HINT)
     module.packed_weight = packed
+    module.direct = direct_product(packed, module.out_features, module.in_features, module.weight.dtype,
+                                   module.bias)
     module.__class__ = PackedLinear
     return int(torch.ops.mkldnn._nbytes(packed))
 
@@ -100,6 +136,8 @@ class FusedProduct:
         self.bias = bias
         self.num_members = num_members
         self.packed = packed
+        # the native kernel's handle on a packed weight it can read (set by pack_fused), else None
+        self.direct: DirectProduct | None = None
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
         self._unread = 0
@@ -109,6 +147,9 @@ class FusedProduct:
         [..., in_features] -> [..., sum of the members' out_features], nothing held."""
         if not self.packed:
             return nn.functional.linear(x, self.packed_weight, self.bias)
+        direct = self.direct
+        if direct is not None and x.dtype == direct.dtype:
+            return decode_gemm(x, direct.weight_ptr, self.bias, direct.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def read(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,8 +196,10 @@ def pack_fused(group: list[nn.Linear]) -> int:
     stacked = torch.cat([m.weight.detach() for m in group], dim=0)           # [sum(out_features), in_features]
     bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
     packed = torch.ops.mkldnn._reorder_linear_weight(stacked, PACK_BATCH_HINT)
+    product = FusedProduct(packed, bias, len(group))
+    product.direct = direct_product(packed, stacked.shape[0], stacked.shape[1], stacked.dtype, bias)
     del stacked
-    make_members(group, FusedProduct(packed, bias, len(group)))
+    make_members(group, product)
     return int(torch.ops.mkldnn._nbytes(packed)) + (0 if bias is None else bias.numel() * bias.element_size())
 
 

@@ -12,6 +12,7 @@ from elastic_hf.config import EngineConfig
 from elastic_hf.layers.packed_linear import (FusedMemberLinear, PackedLinear, bf16_packing_available, fusable,
                                              pack_fused, pack_linear, packing_available, takes_packing)
 from elastic_hf.model.loader import load_hf_model
+from elastic_hf.native.decode_gemm import decode_gemm_available
 from elastic_hf.parallel.worker import rss_anon_bytes
 from greedy_reference import hf_greedy, mixed_prompts
 
@@ -83,12 +84,9 @@ def test_fused_product_is_recomputed_for_a_new_input():
     product = gate.fused
     assert product._output is None
     calls = []
-    original = torch.ops.mkldnn._linear_pointwise
-    try:
-        torch.ops.mkldnn._linear_pointwise = lambda *args: calls.append(1) or original(*args)
-        assert torch.equal(gate(c), ref_gate(c)) and torch.equal(up(c), ref_up(c))
-    finally:
-        torch.ops.mkldnn._linear_pointwise = original
+    original = product.product
+    product.product = lambda x: calls.append(1) or original(x)    # the GEMM (oneDNN's or decode_gemm's) of one input
+    assert torch.equal(gate(c), ref_gate(c)) and torch.equal(up(c), ref_up(c))
     assert len(calls) == 1 and product._output is None
 
 
@@ -154,6 +152,10 @@ def test_engine_on_packed_weights_keeps_greedy_tokens_and_memory(checkpoints, dt
             assert len(fused) == (3 * 2 if dtype == "float32" else 3 * 5)
             assert len(stacked) == (3 * 3 if dtype == "float32" else 0)
             assert all(m.weight.device.type == "cpu" for m in stacked)   # views of their own arena bytes
+            # every packed shape here is one native/decode_gemm.c reads (its rows run there, not in oneDNN)
+            direct = decode_gemm_available(getattr(torch, dtype))
+            assert all((m.direct is not None) == direct for m in packed)
+            assert all((m.fused.direct is not None) == direct for m in fused)
             head = model.worker.hf_model.lm_head
             embed = model.worker.hf_model.model.embed_tokens
             for m in packed + fused:   # the plain weights gave their pages back; a tied head's table is the embedding

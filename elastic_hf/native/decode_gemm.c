@@ -1,0 +1,232 @@
+/* Linear products (any number of rows) over a weight that oneDNN has already packed for its inner product
+ * (layers/packed_linear.py), read in place: y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]).
+ *
+ * Why: at a decode step's few rows the product is a stream of the weight from DRAM, and oneDNN's brgemm does not keep
+ * the memory system busy at those shapes; and its bf16 kernel is built on vdpbf16ps, which on the AVX-512 Xeon this
+ * was measured on issues at half the rate of an fp32 FMA, so at 8+ rows it is compute-bound at ~4 GB/s of weights.
+ * This kernel walks the packed weight once, front to back, with up to ROW_TILE rows of x in registers, widens bf16
+ * weights to fp32 in registers (a mask and a shift) and multiplies with fp32 FMAs. The default model's 30 layers and
+ * head, 2 threads (benchmarks/decode_gemm.py): bf16 ~1.2x oneDNN at 1 row, ~1.3x at 32, ~1.5x at 128; fp32 ~1.2x at
+ * 1 row, level from 4 rows up (oneDNN's fp32 kernel is FMA-bound like this one).
+ *
+ * Packed layouts read (oneDNN's format tags for an [N, K] = "ab" weight; native/decode_gemm.py checks, for every
+ * shape, that the bytes oneDNN writes are this layout before the kernel may read them):
+ *   bf16  AB16b64a2b: [N/64][K/32][16 k-pairs][64 n][2 k]    one k-pair of 64 outputs = 4 zmm
+ *   fp32  AB16b64a:   [N/64][K/16][16 k][64 n]               one k of 64 outputs = 4 zmm
+ * so N must be a multiple of 64 and K of 32 (bf16) or 16 (fp32): no padding is ever read.
+ *
+ * Work split: the N/16 column strips (16 outputs, one zmm) are cut into one contiguous range per thread, so 9 blocks
+ * of 64 outputs on 2 threads are 18 strips each, not 5 blocks against 4. Each thread walks its range block by block,
+ * up to 4 strips at a time, for up to ROW_TILE rows of x at once (4 x 6 accumulators + 4 weight registers + one
+ * broadcast fit the 32 zmm registers); more rows re-read the block's strips from L1/L2, not from DRAM.
+ *
+ * Rounding: fp32 accumulation in k order; for bf16 each k-pair adds its odd product, then its even one, each rounded
+ * (vdpbf16ps's definition), and the output is rounded to nearest even once. oneDNN orders its sums differently, so a
+ * bf16 output differs from oneDNN's (and F.linear's) by one last bit in ~0.05 % of outputs (tests/layers/
+ * test_decode_gemm.py bounds it), enough for a long greedy bf16 generation to take another token at a near-tie. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define ROW_CHUNK 256           /* rows of x widened and multiplied per pass: bounds the bf16 scratch at 256 x K */
+#define ROW_TILE 6
+#define STRIPS_PER_BLOCK 4       /* 64 outputs a block, 16 a strip */
+#define PREFETCH_BYTES 1024      /* software prefetch distance in the weight stream, on top of the hardware's */
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define AI static inline __attribute__((always_inline))
+
+#if defined(__AVX512F__)
+/* ---------------------------------------------------------------------------------------------------------- fp32 */
+/* Rows [0, rows) of x against strips [s0, s0 + ns) of one block (64 outputs) whose K/16 tiles start at w. */
+AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, float *y, int64_t ldy,
+                 const float *bias, int s0, const int ns, const int rows)
+{
+    __m512 acc[ROW_TILE][STRIPS_PER_BLOCK];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < ns; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+        const float *tile = w + kt * 16 * 64;               /* [16 k][64 n] */
+        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T0);
+        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T0);
+        for (int kk = 0; kk < 16; kk++) {
+            __m512 wv[STRIPS_PER_BLOCK];
+            for (int j = 0; j < ns; j++) wv[j] = _mm512_loadu_ps(tile + kk * 64 + 16 * (s0 + j));
+            const int64_t k = kt * 16 + kk;
+            for (int m = 0; m < rows; m++) {
+                const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+                for (int j = 0; j < ns; j++) acc[m][j] = _mm512_fmadd_ps(wv[j], xb, acc[m][j]);
+            }
+        }
+    }
+    for (int j = 0; j < ns; j++) {
+        const __m512 b = bias ? _mm512_loadu_ps(bias + 16 * (s0 + j)) : _mm512_setzero_ps();
+        for (int m = 0; m < rows; m++) _mm512_storeu_ps(y + m * ldy + 16 * (s0 + j), _mm512_add_ps(acc[m][j], b));
+    }
+}
+
+/* dispatch to an instance with constant strip and row counts, so every loop above unrolls into registers */
+#define DISPATCH_ROWS(FN, NS, ...) \
+    switch (rows) { case 1: FN(__VA_ARGS__, NS, 1); break; case 2: FN(__VA_ARGS__, NS, 2); break; \
+                    case 3: FN(__VA_ARGS__, NS, 3); break; case 4: FN(__VA_ARGS__, NS, 4); break; \
+                    case 5: FN(__VA_ARGS__, NS, 5); break; default: FN(__VA_ARGS__, NS, 6); break; }
+#define DISPATCH(FN, ...) \
+    switch (ns) { case 1: DISPATCH_ROWS(FN, 1, __VA_ARGS__) break; case 2: DISPATCH_ROWS(FN, 2, __VA_ARGS__) break; \
+                  case 3: DISPATCH_ROWS(FN, 3, __VA_ARGS__) break; default: DISPATCH_ROWS(FN, 4, __VA_ARGS__) break; }
+
+/* A thread's strips [first, last) for all rows of x: block by block, up to 4 strips at a time, rows in balanced tiles
+ * (8 rows are 4 + 4, not 6 + 2). K_TILE: k elements per packed tile (16 fp32, 32 bf16), each 64 outputs wide. */
+#define DEFINE_STRIPS(NAME, TILE_FN, W_T, X_T, Y_T, K_TILE) \
+static void NAME(const W_T *w, int64_t k, const X_T *x, int64_t ldx, Y_T *y, int64_t ldy, const Y_T *bias, \
+                 int64_t rows_total, int64_t first, int64_t last) \
+{ \
+    const int64_t k_tiles = k / (K_TILE); \
+    const int64_t tiles = (rows_total + ROW_TILE - 1) / ROW_TILE; \
+    for (int64_t s = first; s < last;) { \
+        const int64_t block = s / STRIPS_PER_BLOCK; \
+        const int s0 = (int)(s % STRIPS_PER_BLOCK); \
+        const int ns = (int)((last - s) < STRIPS_PER_BLOCK - s0 ? (last - s) : STRIPS_PER_BLOCK - s0); \
+        const W_T *wb = w + block * k_tiles * (K_TILE) * 64; \
+        const Y_T *bias_b = bias ? bias + block * 64 : NULL; \
+        for (int64_t t = 0; t < tiles; t++) { \
+            const int64_t m0 = rows_total * t / tiles; \
+            const int rows = (int)(rows_total * (t + 1) / tiles - m0); \
+            DISPATCH(TILE_FN, wb, k_tiles, x + m0 * ldx, ldx, y + m0 * ldy + block * 64, ldy, bias_b, s0) \
+        } \
+        s += ns; \
+    } \
+}
+
+DEFINE_STRIPS(strips_f32, tile_f32, float, float, float, 16)
+
+/* ---------------------------------------------------------------------------------------------------------- bf16 */
+#if defined(__AVX512BF16__)
+/* x arrives widened to fp32 (xf, [rows, k]); each packed weight register (16 outputs x one k-pair) is split into its
+ * odd and even halves, widened by a mask and a shift, and goes through two fp32 FMAs: the odd product first, then the
+ * even one, each rounded, which is vdpbf16ps's own definition (so results equal oneDNN's), at the FMA ports' rate.
+ * vdpbf16ps itself issues at half the FMA rate on the CPUs measured, so at 4+ rows it would be the bound. */
+AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t ldx, uint16_t *y, int64_t ldy,
+                  const uint16_t *bias, int s0, const int ns, const int rows)
+{
+    __m512 acc[ROW_TILE][STRIPS_PER_BLOCK];
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < ns; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+        const uint16_t *tile = w + kt * 16 * 64 * 2;          /* [16 k-pairs][64 n][2] */
+        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T0);
+        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T0);
+        for (int kp = 0; kp < 16; kp++) {
+            __m512i packed[STRIPS_PER_BLOCK];
+            __m512 wv[STRIPS_PER_BLOCK];
+            for (int j = 0; j < ns; j++) {
+                packed[j] = _mm512_loadu_si512((const void *)(tile + (kp * 64 + 16 * (s0 + j)) * 2));
+                wv[j] = _mm512_castsi512_ps(_mm512_and_si512(packed[j], high));        /* W[n, 2kp + 1] */
+            }
+            const int64_t k = (kt * 16 + kp) * 2;
+            for (int m = 0; m < rows; m++) {
+                const __m512 xb = _mm512_set1_ps(xf[m * ldx + k + 1]);
+                for (int j = 0; j < ns; j++) acc[m][j] = _mm512_fmadd_ps(wv[j], xb, acc[m][j]);
+            }
+            for (int j = 0; j < ns; j++) wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(packed[j], 16));   /* 2kp */
+            for (int m = 0; m < rows; m++) {
+                const __m512 xb = _mm512_set1_ps(xf[m * ldx + k]);
+                for (int j = 0; j < ns; j++) acc[m][j] = _mm512_fmadd_ps(wv[j], xb, acc[m][j]);
+            }
+        }
+    }
+    for (int j = 0; j < ns; j++) {
+        __m512 b = _mm512_setzero_ps();
+        if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + 16 * (s0 + j)))), 16));
+        for (int m = 0; m < rows; m++)
+            _mm256_storeu_si256((void *)(y + m * ldy + 16 * (s0 + j)),
+                                (__m256i)_mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j]));
+    }
+}
+
+DEFINE_STRIPS(strips_bf16, tile_bf16, uint16_t, float, uint16_t, 32)
+#endif
+#endif
+
+/* The thread's contiguous share of `strips` strips. */
+#define SHARE(strips, first, last) \
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num(); \
+    const int64_t first = (strips) * t / nt, last = (strips) * (t + 1) / nt;
+
+#include <omp.h>
+
+/* Entry points. x: [m, k] with row stride ldx; y: [m, n] with row stride ldy; bias: [n] or NULL; w: packed as
+ * above. Returns 0, or -1 where this build or these shapes have no kernel (the caller then runs oneDNN). */
+int elastic_decode_gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
+                            int64_t m, int64_t n, int64_t k, int threads)
+{
+#if defined(__AVX512F__)
+    if (m < 1 || n % 64 || k % 16) return -1;
+    const int64_t strips = n / 16;
+    #pragma omp parallel num_threads(threads > 1 && strips > 1 ? threads : 1)
+    {
+        SHARE(strips, first, last)
+        strips_f32(w, k, x, ldx, y, ldy, bias, m, first, last);
+    }
+    return 0;
+#else
+    (void)x; (void)ldx; (void)w; (void)bias; (void)y; (void)ldy; (void)m; (void)n; (void)k; (void)threads;
+    return -1;
+#endif
+}
+
+int elastic_decode_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                             int64_t ldy, int64_t m, int64_t n, int64_t k, int threads)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (m < 1 || n % 64 || k % 32) return -1;
+    /* x widened, ROW_CHUNK rows at a time, into this thread's scratch (kept between calls, never more than
+     * ROW_CHUNK x k floats) */
+    static _Thread_local float *xf;
+    static _Thread_local int64_t xf_capacity;
+    const int64_t chunk = m < ROW_CHUNK ? m : ROW_CHUNK;
+    if (chunk * k > xf_capacity) {
+        float *grown = realloc(xf, (size_t)(chunk * k) * sizeof(float));
+        if (!grown) return -2;
+        xf = grown;
+        xf_capacity = chunk * k;
+    }
+    float *const widened = xf;
+    const int64_t strips = n / 16;
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+        const int64_t rows = m - m0 < chunk ? m - m0 : chunk;
+        const uint16_t *xc = x + m0 * ldx;
+        #pragma omp parallel num_threads(threads > 1 && strips > 1 ? threads : 1)
+        {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t i = 0; i < k; i++) widened[r * k + i] = bf16_to_f32(xc[r * ldx + i]);
+            SHARE(strips, first, last)
+            strips_bf16(w, k, widened, k, y + m0 * ldy, ldy, bias, rows, first, last);
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)ldx; (void)w; (void)bias; (void)y; (void)ldy; (void)m; (void)n; (void)k; (void)threads;
+    return -1;
+#endif
+}
+
+/* Whether this build has each kernel at all (a CPU without AVX-512 or AVX512-BF16 compiles them out). */
+int elastic_decode_gemm_has(int bf16)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 1;
+#elif defined(__AVX512F__)
+    return !bf16;
+#else
+    (void)bf16;
+    return 0;
+#endif
+}

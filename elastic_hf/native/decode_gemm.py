@@ -1,0 +1,112 @@
+"""ctypes binding of decode_gemm.c: a linear's product read straight from the weight oneDNN packed for it
+(layers/packed_linear.py), faster than oneDNN's own inner product at every row count measured on the AVX-512 test
+machines (benchmarks/decode_gemm.py)."""
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+
+import torch
+
+from elastic_hf.native.build import bind, load_library
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_SIGNATURE = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
+_ENTRY_POINTS = {torch.float32: "elastic_decode_gemm_f32", torch.bfloat16: "elastic_decode_gemm_bf16"}
+# the packed layout the kernel reads, as oneDNN's reorder writes it for an [N, K] weight (decode_gemm.c):
+# dtype -> (output block, k elements per packed group, k groups per tile)
+_BLOCK_N = 64
+_K_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}
+
+
+ENV_VAR = "ELASTIC_HF_DECODE_GEMM"
+
+
+def decode_gemm_enabled() -> bool:
+    """On unless ELASTIC_HF_DECODE_GEMM=0 (then packed linears run oneDNN's inner product: an A/B switch for
+    benchmarks/decode_gemm.py and vs_vllm.py), read when a weight is packed."""
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@cache
+def _kernel(dtype: torch.dtype):
+    if dtype not in _ENTRY_POINTS:
+        return None
+    lib = load_library("decode_gemm")
+    if lib is None:
+        return None
+    has = bind("decode_gemm", "elastic_decode_gemm_has", [_int], _int)
+    if not has(int(dtype == torch.bfloat16)):
+        return None          # compiled for a CPU without AVX-512 (or AVX512-BF16 for bf16)
+    return bind("decode_gemm", _ENTRY_POINTS[dtype], _SIGNATURE, _int)
+
+
+def decode_gemm_available(dtype: torch.dtype) -> bool:
+    """A kernel for `dtype` on this CPU (AVX-512; bf16 also AVX512-BF16) with native kernels and this one on."""
+    return decode_gemm_enabled() and _kernel(dtype) is not None
+
+
+def packed_layout(weight: torch.Tensor) -> torch.Tensor:
+    """The plain [N, K] weight permuted into the layout the kernel reads, flat:
+    fp32 [N/64][K/16][16 k][64 n], bf16 [N/64][K/32][16 k-pairs][64 n][2 k] (oneDNN's AB16b64a / AB16b64a2b)."""
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        return weight.view(n // _BLOCK_N, _BLOCK_N, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1)
+    return weight.view(n // _BLOCK_N, _BLOCK_N, k // 16, 16).permute(0, 2, 3, 1).reshape(-1)
+
+
+def _packed_bytes(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor over an opaque oneDNN tensor's own buffer (no copy), as `dtype` elements."""
+    nbytes = int(torch.ops.mkldnn._nbytes(packed))
+    buffer = (ctypes.c_char * nbytes).from_address(int(torch.ops.mkldnn.data_ptr(packed)))
+    return torch.frombuffer(buffer, dtype=dtype)
+
+
+def reads_packed(out_features: int, in_features: int, dtype: torch.dtype, batch_hint: int) -> bool:
+    """Whether the kernel can read oneDNN's packing of an [out, in] `dtype` weight: the kernel on and built for the
+    dtype, shapes without padding, and, checked on a random probe of that shape (oneDNN picks a layout per shape,
+    dtype, batch hint and CPU), the bytes oneDNN writes equal to `packed_layout`."""
+    return decode_gemm_available(dtype) and _layout_matches(out_features, in_features, dtype, batch_hint)
+
+
+@cache
+def _layout_matches(out_features: int, in_features: int, dtype: torch.dtype, batch_hint: int) -> bool:
+    if out_features % _BLOCK_N or in_features % _K_MULTIPLE[dtype]:
+        return False
+    probe = torch.randn(out_features, in_features).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(probe, batch_hint)
+    if int(torch.ops.mkldnn._nbytes(packed)) != probe.numel() * probe.element_size():
+        return False
+    return torch.equal(_packed_bytes(packed, dtype), packed_layout(probe))
+
+
+def packed_data_ptr(packed: torch.Tensor) -> int:
+    """Address of an opaque oneDNN tensor's buffer (stable while the tensor lives)."""
+    return int(torch.ops.mkldnn.data_ptr(packed))
+
+
+def decode_gemm(x: torch.Tensor, weight_ptr: int, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x @ W.T (+ bias) for the packed weight at `weight_ptr` ([out_features, K] as `reads_packed` accepted it):
+    x [..., K] in the weight's dtype -> [..., out_features]; bias [out_features] contiguous in that dtype. The caller
+    checked dtype, device, bias and `reads_packed` once; this runs for every linear of every step (~5 us of Python
+    and ctypes a call), so it checks only what the kernel cannot survive."""
+    k = x.shape[-1]
+    if x.is_contiguous():
+        rows, row_stride = x, k                               # [..., K] read as [M, K]: no reshape op
+    else:
+        rows = x.reshape(-1, k)                               # [M, K]; a copy only where x's rows are not uniform
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        row_stride = rows.stride(0)
+    out = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)
+    num_rows = out.numel() // out_features if out_features else 0
+    if num_rows == 0:
+        return out
+    status = _kernel(x.dtype)(rows.data_ptr(), row_stride, weight_ptr, None if bias is None else bias.data_ptr(),
+                              out.data_ptr(), out_features, num_rows, out_features, k, torch.get_num_threads())
+    if status == -2:
+        raise MemoryError(f"decode_gemm could not allocate its {min(num_rows, 256) * k * 4}-byte input buffer")
+    if status != 0:
+        raise ValueError(f"decode_gemm takes no [{num_rows}, {k}] x [{out_features}, {k}] product")
+    return out
