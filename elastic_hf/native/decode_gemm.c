@@ -33,7 +33,8 @@
 #define ROW_CHUNK 256           /* rows of x widened and multiplied per pass: bounds the bf16 scratch at 256 x K */
 #define ROW_TILE 6
 #define STRIPS_PER_BLOCK 4       /* 64 outputs a block, 16 a strip */
-#define PREFETCH_BYTES 1024      /* software prefetch distance in the weight stream, on top of the hardware's */
+#define K_CHUNK_TILES 32         /* K tiles per chunk when several row tiles share the weight (see DEFINE_STRIPS) */
+#define PREFETCH_BYTES 8192      /* software prefetch into L2, two 4 KiB tiles ahead in the weight stream */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -42,18 +43,31 @@
 #define AI static inline __attribute__((always_inline))
 
 #if defined(__AVX512F__)
+/* A row tile's accumulators across K chunks: zero at the first chunk, else the fp32 sums the previous chunk left in
+ * `partial` ([rows][64], this block's outputs); all but the last chunk store them back and return (fp32 in memory is
+ * exact, so chunking changes no bit). */
+#define LOAD_PARTIAL(acc, partial, first, s0, ns, rows) \
+    for (int m = 0; m < rows; m++) \
+        for (int j = 0; j < ns; j++) \
+            acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + m * 64 + 16 * (s0 + j));
+#define STORE_PARTIAL(acc, partial, last, s0, ns, rows) \
+    if (!last) { \
+        for (int m = 0; m < rows; m++) \
+            for (int j = 0; j < ns; j++) _mm512_storeu_ps(partial + m * 64 + 16 * (s0 + j), acc[m][j]); \
+        return; \
+    }
+
 /* ---------------------------------------------------------------------------------------------------------- fp32 */
 /* Rows [0, rows) of x against strips [s0, s0 + ns) of one block (64 outputs) whose K/16 tiles start at w. */
 AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, float *y, int64_t ldy,
-                 const float *bias, int s0, const int ns, const int rows)
+                 const float *bias, float *partial, int first, int last, int s0, const int ns, const int rows)
 {
     __m512 acc[ROW_TILE][STRIPS_PER_BLOCK];
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < ns; j++) acc[m][j] = _mm512_setzero_ps();
+    LOAD_PARTIAL(acc, partial, first, s0, ns, rows)
     for (int64_t kt = 0; kt < k_tiles; kt++) {
         const float *tile = w + kt * 16 * 64;               /* [16 k][64 n] */
-        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T0);
-        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T1);
+        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T1);
         for (int kk = 0; kk < 16; kk++) {
             __m512 wv[STRIPS_PER_BLOCK];
             for (int j = 0; j < ns; j++) wv[j] = _mm512_loadu_ps(tile + kk * 64 + 16 * (s0 + j));
@@ -64,6 +78,7 @@ AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, f
             }
         }
     }
+    STORE_PARTIAL(acc, partial, last, s0, ns, rows)
     for (int j = 0; j < ns; j++) {
         const __m512 b = bias ? _mm512_loadu_ps(bias + 16 * (s0 + j)) : _mm512_setzero_ps();
         for (int m = 0; m < rows; m++) _mm512_storeu_ps(y + m * ldy + 16 * (s0 + j), _mm512_add_ps(acc[m][j], b));
@@ -80,23 +95,32 @@ AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, f
                   case 3: DISPATCH_ROWS(FN, 3, __VA_ARGS__) break; default: DISPATCH_ROWS(FN, 4, __VA_ARGS__) break; }
 
 /* A thread's strips [first, last) for all rows of x: block by block, up to 4 strips at a time, rows in balanced tiles
- * (8 rows are 4 + 4, not 6 + 2). K_TILE: k elements per packed tile (16 fp32, 32 bf16), each 64 outputs wide. */
+ * (8 rows are 4 + 4, not 6 + 2). K_TILE: k elements per packed tile (16 fp32, 32 bf16), each 64 outputs wide and 4 KiB.
+ * With more than one row tile, K is cut into chunks of K_CHUNK_TILES tiles (128 KiB of a 4-strip column), every row
+ * tile runs one chunk before the next chunk starts: the rows after the first re-read the chunk from L2, where a whole
+ * column (1 MiB at K = 8192) would have left L2 and come from DRAM again. */
 #define DEFINE_STRIPS(NAME, TILE_FN, W_T, X_T, Y_T, K_TILE) \
 static void NAME(const W_T *w, int64_t k, const X_T *x, int64_t ldx, Y_T *y, int64_t ldy, const Y_T *bias, \
-                 int64_t rows_total, int64_t first, int64_t last) \
+                 float *partial, int64_t rows_total, int64_t first, int64_t last) \
 { \
     const int64_t k_tiles = k / (K_TILE); \
     const int64_t tiles = (rows_total + ROW_TILE - 1) / ROW_TILE; \
+    const int64_t chunk_tiles = tiles > 1 ? K_CHUNK_TILES : k_tiles; \
     for (int64_t s = first; s < last;) { \
         const int64_t block = s / STRIPS_PER_BLOCK; \
         const int s0 = (int)(s % STRIPS_PER_BLOCK); \
         const int ns = (int)((last - s) < STRIPS_PER_BLOCK - s0 ? (last - s) : STRIPS_PER_BLOCK - s0); \
         const W_T *wb = w + block * k_tiles * (K_TILE) * 64; \
         const Y_T *bias_b = bias ? bias + block * 64 : NULL; \
-        for (int64_t t = 0; t < tiles; t++) { \
-            const int64_t m0 = rows_total * t / tiles; \
-            const int rows = (int)(rows_total * (t + 1) / tiles - m0); \
-            DISPATCH(TILE_FN, wb, k_tiles, x + m0 * ldx, ldx, y + m0 * ldy + block * 64, ldy, bias_b, s0) \
+        for (int64_t kt0 = 0; kt0 < k_tiles; kt0 += chunk_tiles) { \
+            const int64_t kts = k_tiles - kt0 < chunk_tiles ? k_tiles - kt0 : chunk_tiles; \
+            const int first_chunk = kt0 == 0, last_chunk = kt0 + kts == k_tiles; \
+            for (int64_t t = 0; t < tiles; t++) { \
+                const int64_t m0 = rows_total * t / tiles; \
+                const int rows = (int)(rows_total * (t + 1) / tiles - m0); \
+                DISPATCH(TILE_FN, wb + kt0 * (K_TILE) * 64, kts, x + m0 * ldx + kt0 * (K_TILE), ldx, \
+                         y + m0 * ldy + block * 64, ldy, bias_b, partial + m0 * 64, first_chunk, last_chunk, s0) \
+            } \
         } \
         s += ns; \
     } \
@@ -111,16 +135,15 @@ DEFINE_STRIPS(strips_f32, tile_f32, float, float, float, 16)
  * even one, each rounded, which is vdpbf16ps's own definition (so results equal oneDNN's), at the FMA ports' rate.
  * vdpbf16ps itself issues at half the FMA rate on the CPUs measured, so at 4+ rows it would be the bound. */
 AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t ldx, uint16_t *y, int64_t ldy,
-                  const uint16_t *bias, int s0, const int ns, const int rows)
+                  const uint16_t *bias, float *partial, int first, int last, int s0, const int ns, const int rows)
 {
     __m512 acc[ROW_TILE][STRIPS_PER_BLOCK];
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < ns; j++) acc[m][j] = _mm512_setzero_ps();
+    LOAD_PARTIAL(acc, partial, first, s0, ns, rows)
     for (int64_t kt = 0; kt < k_tiles; kt++) {
         const uint16_t *tile = w + kt * 16 * 64 * 2;          /* [16 k-pairs][64 n][2] */
-        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T0);
-        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T1);
+        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T1);
         for (int kp = 0; kp < 16; kp++) {
             __m512i packed[STRIPS_PER_BLOCK];
             __m512 wv[STRIPS_PER_BLOCK];
@@ -140,6 +163,7 @@ AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t l
             }
         }
     }
+    STORE_PARTIAL(acc, partial, last, s0, ns, rows)
     for (int j = 0; j < ns; j++) {
         __m512 b = _mm512_setzero_ps();
         if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -161,6 +185,15 @@ DEFINE_STRIPS(strips_bf16, tile_bf16, uint16_t, float, uint16_t, 32)
 
 #include <omp.h>
 
+/* This OpenMP thread's fp32 sums between K chunks: ROW_CHUNK rows x 64 outputs (64 KiB), allocated on first use and
+ * kept for the thread's life; NULL if that allocation failed. */
+static float *partial_sums(void)
+{
+    static _Thread_local float *sums;
+    if (!sums) sums = malloc(sizeof(float) * ROW_CHUNK * 64);
+    return sums;
+}
+
 /* Entry points. x: [m, k] with row stride ldx; y: [m, n] with row stride ldy; bias: [n] or NULL; w: packed as
  * above. Returns 0, or -1 where this build or these shapes have no kernel (the caller then runs oneDNN). */
 int elastic_decode_gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
@@ -169,12 +202,18 @@ int elastic_decode_gemm_f32(const float *x, int64_t ldx, const float *w, const f
 #if defined(__AVX512F__)
     if (m < 1 || n % 64 || k % 16) return -1;
     const int64_t strips = n / 16;
-    #pragma omp parallel num_threads(threads > 1 && strips > 1 ? threads : 1)
-    {
-        SHARE(strips, first, last)
-        strips_f32(w, k, x, ldx, y, ldy, bias, m, first, last);
+    int failed = 0;
+    for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
+        const int64_t rows = m - m0 < ROW_CHUNK ? m - m0 : ROW_CHUNK;
+        #pragma omp parallel num_threads(threads > 1 && strips > 1 ? threads : 1) reduction(|: failed)
+        {
+            float *partial = partial_sums();
+            SHARE(strips, first, last)
+            if (partial) strips_f32(w, k, x + m0 * ldx, ldx, y + m0 * ldy, ldy, bias, partial, rows, first, last);
+            else failed = 1;
+        }
     }
-    return 0;
+    return failed ? -2 : 0;
 #else
     (void)x; (void)ldx; (void)w; (void)bias; (void)y; (void)ldy; (void)m; (void)n; (void)k; (void)threads;
     return -1;
@@ -199,19 +238,22 @@ int elastic_decode_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, 
     }
     float *const widened = xf;
     const int64_t strips = n / 16;
+    int failed = 0;
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t rows = m - m0 < chunk ? m - m0 : chunk;
         const uint16_t *xc = x + m0 * ldx;
-        #pragma omp parallel num_threads(threads > 1 && strips > 1 ? threads : 1)
+        #pragma omp parallel num_threads(threads > 1 && strips > 1 ? threads : 1) reduction(|: failed)
         {
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t i = 0; i < k; i++) widened[r * k + i] = bf16_to_f32(xc[r * ldx + i]);
+            float *partial = partial_sums();
             SHARE(strips, first, last)
-            strips_bf16(w, k, widened, k, y + m0 * ldy, ldy, bias, rows, first, last);
+            if (partial) strips_bf16(w, k, widened, k, y + m0 * ldy, ldy, bias, partial, rows, first, last);
+            else failed = 1;
         }
     }
-    return 0;
+    return failed ? -2 : 0;
 #else
     (void)x; (void)ldx; (void)w; (void)bias; (void)y; (void)ldy; (void)m; (void)n; (void)k; (void)threads;
     return -1;
