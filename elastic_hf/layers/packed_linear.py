@@ -17,8 +17,8 @@ bits (~1e-6 relative), as the unpacked oneDNN path (layers/cpu_gemm.py) already 
 
 Where our own kernel reads oneDNN's packed layout (native/decode_gemm.c: AVX-512, shapes in whole 64-output blocks,
 the layout checked per shape), it runs the product instead of oneDNN's inner product, from the same packed bytes:
-faster at every row count measured, most in bf16 (its docstring has the figures; ELASTIC_HF_DECODE_GEMM=0 turns it
-off). Its bf16 outputs differ from oneDNN's in the last bit of ~0.05 % of outputs. The packed tensor is an opaque
+faster or level at every row count measured, most in bf16 (its docstring has the figures; ELASTIC_HF_DECODE_GEMM=0
+turns it off). Its bf16 outputs differ from oneDNN's in the last bit of ~0.05 % of outputs. The packed tensor is an opaque
 MKLDNN tensor with exactly the plain weight's byte count; torch cannot build one over an existing buffer, so it
 lives in the CPU allocator, outside the weights arena. PlacedWeights.pack_linears therefore decommits the arena
 pages of every packed weight nobody else reads and charges the packed bytes to the ledger: memory stays the same
@@ -55,10 +55,16 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [..., in_features] -> [..., out_features]
-        direct = self.direct
-        if direct is not None and x.dtype == direct.dtype:
-            return decode_gemm(x, direct.weight_ptr, self.bias, direct.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return packed_product(x, self.packed_weight, self.bias, self.direct)
+
+
+def packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                   direct: DirectProduct | None) -> torch.Tensor:
+    """x @ W.T (+ bias) for a oneDNN-packed W: native/decode_gemm.c where `direct` is its handle on W and x has W's
+    dtype, else oneDNN's inner product. [..., in] -> [..., out]."""
+    if direct is not None and x.dtype == direct.dtype:
+        return decode_gemm(x, direct.weight_ptr, bias, direct.out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 class DirectProduct:
@@ -147,10 +153,7 @@ class FusedProduct:
         [..., in_features] -> [..., sum of the members' out_features], nothing held."""
         if not self.packed:
             return nn.functional.linear(x, self.packed_weight, self.bias)
-        direct = self.direct
-        if direct is not None and x.dtype == direct.dtype:
-            return decode_gemm(x, direct.weight_ptr, self.bias, direct.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return packed_product(x, self.packed_weight, self.bias, self.direct)
 
     def read(self, x: torch.Tensor) -> torch.Tensor:
         """The fused product of x: [..., in_features] -> [..., sum of the members' out_features]. Recomputed

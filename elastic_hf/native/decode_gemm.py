@@ -1,6 +1,6 @@
 """ctypes binding of decode_gemm.c: a linear's product read straight from the weight oneDNN packed for it
-(layers/packed_linear.py), faster than oneDNN's own inner product at every row count measured on the AVX-512 test
-machines (benchmarks/decode_gemm.py)."""
+(layers/packed_linear.py); on the AVX-512 Xeon measured, faster than oneDNN's own inner product at 1-128 rows in bf16
+and at 1 row in fp32, level with it from 4 fp32 rows up (benchmarks/decode_gemm.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -14,11 +14,10 @@ from elastic_hf.native.build import bind, load_library
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURE = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
 _ENTRY_POINTS = {torch.float32: "elastic_decode_gemm_f32", torch.bfloat16: "elastic_decode_gemm_bf16"}
-# the packed layout the kernel reads, as oneDNN's reorder writes it for an [N, K] weight (decode_gemm.c):
-# dtype -> (output block, k elements per packed group, k groups per tile)
+# the packed layout the kernel reads, as oneDNN's reorder writes it for an [N, K] weight (decode_gemm.c): outputs in
+# blocks of 64, K in tiles of 16 (fp32) or 16 k-pairs (bf16)
 _BLOCK_N = 64
-_K_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}
-
+_K_TILE = {torch.float32: 16, torch.bfloat16: 32}
 
 ENV_VAR = "ELASTIC_HF_DECODE_GEMM"
 
@@ -51,15 +50,16 @@ def packed_layout(weight: torch.Tensor) -> torch.Tensor:
     """The plain [N, K] weight permuted into the layout the kernel reads, flat:
     fp32 [N/64][K/16][16 k][64 n], bf16 [N/64][K/32][16 k-pairs][64 n][2 k] (oneDNN's AB16b64a / AB16b64a2b)."""
     n, k = weight.shape
+    tiles = k // _K_TILE[weight.dtype]
     if weight.dtype == torch.bfloat16:
-        return weight.view(n // _BLOCK_N, _BLOCK_N, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1)
-    return weight.view(n // _BLOCK_N, _BLOCK_N, k // 16, 16).permute(0, 2, 3, 1).reshape(-1)
+        return weight.view(n // _BLOCK_N, _BLOCK_N, tiles, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1)
+    return weight.view(n // _BLOCK_N, _BLOCK_N, tiles, 16).permute(0, 2, 3, 1).reshape(-1)
 
 
 def _packed_bytes(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor over an opaque oneDNN tensor's own buffer (no copy), as `dtype` elements."""
     nbytes = int(torch.ops.mkldnn._nbytes(packed))
-    buffer = (ctypes.c_char * nbytes).from_address(int(torch.ops.mkldnn.data_ptr(packed)))
+    buffer = (ctypes.c_char * nbytes).from_address(packed_data_ptr(packed))
     return torch.frombuffer(buffer, dtype=dtype)
 
 
@@ -72,7 +72,7 @@ def reads_packed(out_features: int, in_features: int, dtype: torch.dtype, batch_
 
 @cache
 def _layout_matches(out_features: int, in_features: int, dtype: torch.dtype, batch_hint: int) -> bool:
-    if out_features % _BLOCK_N or in_features % _K_MULTIPLE[dtype]:
+    if out_features % _BLOCK_N or in_features % _K_TILE[dtype]:
         return False
     probe = torch.randn(out_features, in_features).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(probe, batch_hint)
@@ -106,7 +106,8 @@ def decode_gemm(x: torch.Tensor, weight_ptr: int, bias: torch.Tensor | None, out
     status = _kernel(x.dtype)(rows.data_ptr(), row_stride, weight_ptr, None if bias is None else bias.data_ptr(),
                               out.data_ptr(), out_features, num_rows, out_features, k, torch.get_num_threads())
     if status == -2:
-        raise MemoryError(f"decode_gemm could not allocate its {min(num_rows, 256) * k * 4}-byte input buffer")
+        raise MemoryError(f"decode_gemm could not allocate its scratch: {64 * 256 * 4} bytes of partial sums a "
+                          f"thread, and for bf16 {min(num_rows, 256) * k * 4} bytes of widened input")
     if status != 0:
         raise ValueError(f"decode_gemm takes no [{num_rows}, {k}] x [{out_features}, {k}] product")
     return out
