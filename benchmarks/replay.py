@@ -1,4 +1,4 @@
-"""Open-loop replay of the Azure LLM 2023 code trace against an OpenAI-compatible server.
+"""Open-loop replay of an Azure LLM 2023 trace (code or conversation) against an OpenAI-compatible server.
 
 Requests are sent at their (scaled) trace arrival times whether or not earlier ones finished, so queueing shows
 up in TTFT as it would in production. The trace was recorded on large GPU clusters; token counts and the time
@@ -8,6 +8,11 @@ says.
 
     python benchmarks/replay.py --start-server [--num-requests 48 --rate 0.5]      # starts elastic-hf serve
     python benchmarks/replay.py --url http://127.0.0.1:8000 [--api-key K]            # a running server
+    python benchmarks/replay.py --start-server --trace conv                          # the conversation trace
+
+The two traces are different kinds of work (first 48 rows): the code service sends long prompts for short answers
+(2,557 prompt / 20 output tokens on average; replayed at prompts x1/16: prefill-heavy), the conversation service
+shorter prompts for longer answers (722 / 56 within the 64-token cap; replayed at prompts x1/4: decode-heavy).
 
 Other benchmarks reuse it:
     from replay import load_trace, scale_trace, build_requests, run_replay
@@ -37,7 +42,20 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA_DIR, PROJECT_ROOT, machine_description, wikitext_text  # noqa: E402
 
-TRACE_NAME = "azure-llm-2023-code.csv"
+# The traces in benchmarks/data, by name, with the factor on prompt tokens that fits each to this machine by default
+TRACES = {"code": ("azure-llm-2023-code.csv", 1 / 16), "conv": ("azure-llm-2023-conv.csv", 0.25)}
+TRACE_NAME = TRACES["code"][0]   # the default trace
+
+
+def trace_path(trace: str | os.PathLike | None) -> Path:
+    """A trace's file: None for the default (code), a name of TRACES, or a path to a CSV of the same columns."""
+    if trace is None or str(trace) in TRACES:
+        return DATA_DIR / TRACES[str(trace) if trace else "code"][0]
+    return Path(trace)
+
+
+def default_prompt_scale(trace: str | os.PathLike | None) -> float:
+    return TRACES[str(trace)][1] if trace is not None and str(trace) in TRACES else TRACES["code"][1]
 
 
 # ---------------------------------------------------------------- trace
@@ -63,8 +81,9 @@ class TraceScale:
 
 def load_trace(path: str | os.PathLike | None = None, *, start: int = 0, num_requests: int | None = None
                ) -> list[TraceRow]:
-    """Rows [start, start + num_requests) of the trace, arrival times relative to the first of them."""
-    path = Path(path) if path else DATA_DIR / TRACE_NAME
+    """Rows [start, start + num_requests) of the trace (a name of TRACES or a path; None: the code trace),
+    arrival times relative to the first of them."""
+    path = trace_path(path)
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     rows = rows[start:start + num_requests if num_requests else None]
@@ -343,13 +362,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=None, help="tokenizer for the prompts (default: --model's)")
     ap.add_argument("--api-key", default=None, help="bearer key of the server (else $ELASTIC_HF_API_KEY)")
     ap.add_argument("--serve-args", default="", help="extra flags for elastic-hf serve, one string")
-    ap.add_argument("--trace", default=None, help=f"trace CSV (default: benchmarks/data/{TRACE_NAME})")
+    ap.add_argument("--trace", default="code", help=f"{' or '.join(TRACES)} (benchmarks/data) or a CSV path")
     ap.add_argument("--start", type=int, default=0, help="first trace row to replay")
     ap.add_argument("--num-requests", type=int, default=48, help="trace rows to replay")
     ap.add_argument("--rate", type=float, default=0.5,
                     help="mean arrival rate in req/s after time scaling; sets --time-scale unless that is given")
     ap.add_argument("--time-scale", type=float, default=None, help="factor on trace inter-arrival times")
-    ap.add_argument("--prompt-scale", type=float, default=1 / 16, help="factor on trace prompt tokens")
+    ap.add_argument("--prompt-scale", type=float, default=None,
+                    help="factor on trace prompt tokens (default: 1/16 for code, 1/4 for conv)")
     ap.add_argument("--output-scale", type=float, default=1.0, help="factor on trace output tokens")
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="cap on scaled prompt tokens")
     ap.add_argument("--max-output-tokens", type=int, default=64, help="cap on scaled output tokens")
@@ -361,14 +381,14 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = load_trace(args.trace, start=args.start, num_requests=args.num_requests)
     time_scale = args.time_scale if args.time_scale is not None else time_scale_for_rate(rows, args.rate)
-    scale = TraceScale(time_scale, args.prompt_scale, args.output_scale, args.max_prompt_tokens,
-                       args.max_output_tokens)
+    prompt_scale = args.prompt_scale if args.prompt_scale is not None else default_prompt_scale(args.trace)
+    scale = TraceScale(time_scale, prompt_scale, args.output_scale, args.max_prompt_tokens, args.max_output_tokens)
     scaled = scale_trace(rows, scale)
     requests = build_requests(scaled, _load_tokenizer(args.tokenizer or args.model), seed=args.seed)
     span = scaled[-1].arrival_s
     # The load average matters on a shared machine: other processes take cores from the server.
     print(f"machine: {machine_description()}, load average {os.getloadavg()[0]:.1f} at start")
-    print(f"trace: {TRACE_NAME} rows {args.start}..{args.start + len(rows) - 1} "
+    print(f"trace: {trace_path(args.trace).name} rows {args.start}..{args.start + len(rows) - 1} "
           f"({rows[-1].arrival_s:.1f} s of trace, {len(rows) / max(rows[-1].arrival_s, 1e-9):.2f} req/s)")
     print(f"scale factors: {scale.describe()}")
     print(f"replay: {len(requests)} requests over {span:.1f} s ({len(requests) / max(span, 1e-9):.2f} req/s), "

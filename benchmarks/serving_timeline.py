@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay import (ServerProcess, TraceScale, build_requests, load_trace, percentile, run_replay,  # noqa: E402
-                    scale_trace, time_scale_for_rate, _load_tokenizer)
+from replay import (ServerProcess, TraceScale, build_requests, default_prompt_scale, load_trace, percentile,  # noqa: E402
+                    run_replay, scale_trace, time_scale_for_rate, _load_tokenizer)
 from common import machine_description  # noqa: E402
 
 PHASES = ("front_in", "queue", "prefill", "front_out")
@@ -105,7 +105,8 @@ def main() -> int:
     ap.add_argument("--serve-args", default="", help="extra flags for elastic-hf serve, one string")
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--rate", type=float, default=4.0, help="mean arrival rate, req/s")
-    ap.add_argument("--prompt-scale", type=float, default=1 / 16)
+    ap.add_argument("--trace", default="code", choices=("code", "conv"), help="the trace replayed")
+    ap.add_argument("--prompt-scale", type=float, default=None, help="default: 1/16 for code, 1/4 for conv")
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--max-output-tokens", type=int, default=64)
     ap.add_argument("--plot", default=None, help="write a PNG of every request's wait and prefill over time")
@@ -114,11 +115,12 @@ def main() -> int:
 
     from elastic_hf.model.loader import resolve_model
     checkpoint = str(resolve_model(args.model).checkpoint_dir)
-    rows = load_trace(None, start=0, num_requests=args.num_requests)
-    scale = TraceScale(time_scale_for_rate(rows, args.rate), args.prompt_scale, 1.0, args.max_prompt_tokens,
+    rows = load_trace(args.trace, start=0, num_requests=args.num_requests)
+    prompt_scale = args.prompt_scale if args.prompt_scale is not None else default_prompt_scale(args.trace)
+    scale = TraceScale(time_scale_for_rate(rows, args.rate), prompt_scale, 1.0, args.max_prompt_tokens,
                        args.max_output_tokens)
     requests = build_requests(scale_trace(rows, scale), _load_tokenizer(checkpoint))
-    print(f"machine: {machine_description()}\n{len(requests)} requests of the Azure code trace at {args.rate} req/s, "
+    print(f"machine: {machine_description()}\n{len(requests)} requests of the Azure {args.trace} trace at {args.rate} req/s, "
           f"{scale.describe()}")
     with tempfile.TemporaryDirectory() as tmp:
         timeline = Path(args.keep) if args.keep else Path(tmp) / "timeline.jsonl"

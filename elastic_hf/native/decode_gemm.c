@@ -7,7 +7,7 @@
  * This kernel walks the packed weight once, front to back, with up to ROW_TILE rows of x in registers, widens bf16
  * weights to fp32 in registers (a mask and a shift) and multiplies with fp32 FMAs. The default model's 30 layers and
  * head, 2 threads (benchmarks/decode_gemm.py): bf16 ~1.2x oneDNN at 1 row, ~1.3x at 32, ~1.5x at 128; fp32 ~1.2x at
- * 1 row, level from 4 rows up (oneDNN's fp32 kernel is FMA-bound like this one).
+ * 1 row (session 45, before the next-chunk prefetch below; see benchmarks/RESULTS.md for the figures after it).
  *
  * Packed layouts read (oneDNN's format tags for an [N, K] = "ab" weight; native/decode_gemm.py checks, for every
  * shape, that the bytes oneDNN writes are this layout before the kernel may read them):
@@ -33,7 +33,11 @@
 #define ROW_CHUNK 256           /* rows of x widened and multiplied per pass: bounds the bf16 scratch at 256 x K */
 #define ROW_TILE 6
 #define STRIPS_PER_BLOCK 4       /* 64 outputs a block, 16 a strip */
-#define K_CHUNK_TILES 32         /* K tiles per chunk when several row tiles share the weight (see DEFINE_STRIPS) */
+/* K tiles per chunk when several row tiles share the weight (see DEFINE_STRIPS): fp32 in 16 KiB chunks that stay in
+ * L1 for the later row tiles (the default model's linears at 32 rows: 36.6 ms against 46 ms in 128 KiB chunks); bf16,
+ * compute-bound on widening, in 128 KiB chunks (the partial sums' loads and stores cost more than L1 saves) */
+#define K_CHUNK_TILES_F32 4
+#define K_CHUNK_TILES_BF16 32
 #define PREFETCH_BYTES 8192      /* software prefetch into L2, two 4 KiB tiles ahead in the weight stream */
 
 #if defined(__AVX512F__)
@@ -57,17 +61,36 @@
         return; \
     }
 
+/* The weight a row tile prefetches into L2 while it computes: the thread's next K chunk, spread over the row tiles
+ * after the first so that the DRAM stream runs while they compute from L2 (else the first row tile of each chunk
+ * waits on DRAM and the others on nothing, and the two add up). `rows` k-rows (256 B each: 64 fp32 outputs, or 64
+ * bf16 outputs x one k-pair) of `ns` strips from `s0`, at `base`; this tile's share starts at its kt-iteration
+ * `it0` of `iters` in all. base NULL: nothing to prefetch. */
+typedef struct { const char *base; int64_t rows, it0, iters; int s0, ns; } NextChunk;
+
+AI void prefetch_share(const NextChunk *pf, int64_t kt)
+{
+    if (!pf->base) return;
+    const int64_t it = pf->it0 + kt;
+    for (int64_t r = it * pf->rows / pf->iters, end = (it + 1) * pf->rows / pf->iters; r < end; r++)
+        for (int j = 0; j < pf->ns; j++) _mm_prefetch(pf->base + r * 256 + 64 * (pf->s0 + j), _MM_HINT_T1);
+}
+
 /* ---------------------------------------------------------------------------------------------------------- fp32 */
 /* Rows [0, rows) of x against strips [s0, s0 + ns) of one block (64 outputs) whose K/16 tiles start at w. */
 AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, float *y, int64_t ldy,
-                 const float *bias, float *partial, int first, int last, int s0, const int ns, const int rows)
+                 const float *bias, float *partial, int first, int last, const NextChunk *pf, int s0, const int ns,
+                 const int rows)
 {
     __m512 acc[ROW_TILE][STRIPS_PER_BLOCK];
     LOAD_PARTIAL(acc, partial, first, s0, ns, rows)
     for (int64_t kt = 0; kt < k_tiles; kt++) {
         const float *tile = w + kt * 16 * 64;               /* [16 k][64 n] */
-        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T1);
-        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T1);
+        prefetch_share(pf, kt);
+        if (pf->it0 == 0) {
+            _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T1);
+            _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T1);
+        }
         for (int kk = 0; kk < 16; kk++) {
             __m512 wv[STRIPS_PER_BLOCK];
             for (int j = 0; j < ns; j++) wv[j] = _mm512_loadu_ps(tile + kk * 64 + 16 * (s0 + j));
@@ -96,10 +119,13 @@ AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, f
 
 /* A thread's strips [first, last) for all rows of x: block by block, up to 4 strips at a time, rows in balanced tiles
  * (8 rows are 4 + 4, not 6 + 2). K_TILE: k elements per packed tile (16 fp32, 32 bf16), each 64 outputs wide and 4 KiB.
- * With more than one row tile, K is cut into chunks of K_CHUNK_TILES tiles (128 KiB of a 4-strip column), every row
- * tile runs one chunk before the next chunk starts: the rows after the first re-read the chunk from L2, where a whole
- * column (1 MiB at K = 8192) would have left L2 and come from DRAM again. */
-#define DEFINE_STRIPS(NAME, TILE_FN, W_T, X_T, Y_T, K_TILE) \
+ * With more than one row tile, K is cut into chunks of K_CHUNK_TILES tiles, every row tile runs one chunk before the
+ * next chunk starts: the rows after the first re-read the chunk from L1/L2, where a whole column (1 MiB at K = 8192)
+ * would have left L2 and come from DRAM again. Meanwhile every row tile prefetches its share of the thread's next
+ * chunk into L2 (NextChunk), so the weight streams from DRAM while the rows compute: without it each chunk's first
+ * row tile waited on DRAM and the DRAM sat idle during the others (default model, 32 rows: fp32 50 -> 37 ms, bf16
+ * 44 -> 36 ms). */
+#define DEFINE_STRIPS(NAME, TILE_FN, W_T, X_T, Y_T, K_TILE, K_CHUNK_TILES) \
 static void NAME(const W_T *w, int64_t k, const X_T *x, int64_t ldx, Y_T *y, int64_t ldy, const Y_T *bias, \
                  float *partial, int64_t rows_total, int64_t first, int64_t last) \
 { \
@@ -115,18 +141,31 @@ static void NAME(const W_T *w, int64_t k, const X_T *x, int64_t ldx, Y_T *y, int
         for (int64_t kt0 = 0; kt0 < k_tiles; kt0 += chunk_tiles) { \
             const int64_t kts = k_tiles - kt0 < chunk_tiles ? k_tiles - kt0 : chunk_tiles; \
             const int first_chunk = kt0 == 0, last_chunk = kt0 + kts == k_tiles; \
+            /* the next chunk: this block's next K range, else the first chunk of the thread's next block */ \
+            NextChunk pf = {NULL, 0, 0, tiles * kts, s0, ns}; \
+            if (tiles > 1 && !last_chunk) { \
+                pf.base = (const char *)(wb + (kt0 + kts) * (K_TILE) * 64); \
+                pf.rows = (k_tiles - kt0 - kts < chunk_tiles ? k_tiles - kt0 - kts : chunk_tiles) * 16; \
+            } else if (tiles > 1 && s + ns < last) { \
+                pf.base = (const char *)(wb + k_tiles * (K_TILE) * 64); \
+                pf.rows = (k_tiles < chunk_tiles ? k_tiles : chunk_tiles) * 16; \
+                pf.s0 = 0; \
+                pf.ns = (int)(last - s - ns < STRIPS_PER_BLOCK ? last - s - ns : STRIPS_PER_BLOCK); \
+            } \
             for (int64_t t = 0; t < tiles; t++) { \
                 const int64_t m0 = rows_total * t / tiles; \
                 const int rows = (int)(rows_total * (t + 1) / tiles - m0); \
+                pf.it0 = t * kts; \
                 DISPATCH(TILE_FN, wb + kt0 * (K_TILE) * 64, kts, x + m0 * ldx + kt0 * (K_TILE), ldx, \
-                         y + m0 * ldy + block * 64, ldy, bias_b, partial + m0 * 64, first_chunk, last_chunk, s0) \
+                         y + m0 * ldy + block * 64, ldy, bias_b, partial + m0 * 64, first_chunk, last_chunk, \
+                         &pf, s0) \
             } \
         } \
         s += ns; \
     } \
 }
 
-DEFINE_STRIPS(strips_f32, tile_f32, float, float, float, 16)
+DEFINE_STRIPS(strips_f32, tile_f32, float, float, float, 16, K_CHUNK_TILES_F32)
 
 /* ---------------------------------------------------------------------------------------------------------- bf16 */
 #if defined(__AVX512BF16__)
@@ -135,15 +174,19 @@ DEFINE_STRIPS(strips_f32, tile_f32, float, float, float, 16)
  * even one, each rounded, which is vdpbf16ps's own definition (so results equal oneDNN's), at the FMA ports' rate.
  * vdpbf16ps itself issues at half the FMA rate on the CPUs measured, so at 4+ rows it would be the bound. */
 AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t ldx, uint16_t *y, int64_t ldy,
-                  const uint16_t *bias, float *partial, int first, int last, int s0, const int ns, const int rows)
+                  const uint16_t *bias, float *partial, int first, int last, const NextChunk *pf, int s0,
+                  const int ns, const int rows)
 {
     __m512 acc[ROW_TILE][STRIPS_PER_BLOCK];
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     LOAD_PARTIAL(acc, partial, first, s0, ns, rows)
     for (int64_t kt = 0; kt < k_tiles; kt++) {
         const uint16_t *tile = w + kt * 16 * 64 * 2;          /* [16 k-pairs][64 n][2] */
-        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T1);
-        _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T1);
+        prefetch_share(pf, kt);
+        if (pf->it0 == 0) {
+            _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T1);
+            _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T1);
+        }
         for (int kp = 0; kp < 16; kp++) {
             __m512i packed[STRIPS_PER_BLOCK];
             __m512 wv[STRIPS_PER_BLOCK];
@@ -174,7 +217,7 @@ AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t l
     }
 }
 
-DEFINE_STRIPS(strips_bf16, tile_bf16, uint16_t, float, uint16_t, 32)
+DEFINE_STRIPS(strips_bf16, tile_bf16, uint16_t, float, uint16_t, 32, K_CHUNK_TILES_BF16)
 #endif
 #endif
 

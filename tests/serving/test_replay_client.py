@@ -25,6 +25,18 @@ def test_scale_trace_applies_factors_and_caps():
     assert abs((len(rows) - 1) / stretched[-1].arrival_s - rate) < 1e-9
 
 
+def test_conversation_trace_is_a_different_workload_from_the_code_trace():
+    """The second trace ships in benchmarks/data and is found by name; over the window the serving benchmarks
+    replay (48 rows) it is decode-heavy where the code trace is prefill-heavy."""
+    code, conv = replay.load_trace("code", num_requests=48), replay.load_trace("conv", num_requests=48)
+    assert (conv[0].prompt_tokens, conv[0].output_tokens) == (374, 44)   # the file's first row
+    assert replay.load_trace(None, num_requests=48) == code
+    mean = lambda rows, key: sum(getattr(r, key) for r in rows) / len(rows)   # noqa: E731
+    assert mean(code, "prompt_tokens") / mean(code, "output_tokens") > 50
+    assert mean(conv, "prompt_tokens") / mean(conv, "output_tokens") < 10
+    assert replay.default_prompt_scale("conv") == 0.25 and replay.default_prompt_scale(None) == 1 / 16
+
+
 def test_replay_against_server(tiny_server):
     rows = replay.scale_trace(replay.load_trace(num_requests=6),
                               replay.TraceScale(0.0, 1 / 64, 1.0, 64, 6))  # time x0: all arrive at once
