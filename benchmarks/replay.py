@@ -47,15 +47,23 @@ TRACES = {"code": ("azure-llm-2023-code.csv", 1 / 16), "conv": ("azure-llm-2023-
 TRACE_NAME = TRACES["code"][0]   # the default trace
 
 
+def _named(trace: str | os.PathLike | None) -> tuple[str, float] | None:
+    """(file, default prompt factor) of a trace given by name (None: the code trace); None for a path."""
+    return TRACES["code"] if trace is None else TRACES.get(str(trace))
+
+
 def trace_path(trace: str | os.PathLike | None) -> Path:
     """A trace's file: None for the default (code), a name of TRACES, or a path to a CSV of the same columns."""
-    if trace is None or str(trace) in TRACES:
-        return DATA_DIR / TRACES[str(trace) if trace else "code"][0]
-    return Path(trace)
+    named = _named(trace)
+    return DATA_DIR / named[0] if named else Path(trace)
 
 
-def default_prompt_scale(trace: str | os.PathLike | None) -> float:
-    return TRACES[str(trace)][1] if trace is not None and str(trace) in TRACES else TRACES["code"][1]
+def prompt_scale_for(trace: str | os.PathLike | None, given: float | None = None) -> float:
+    """The factor on prompt tokens: `given` (a --prompt-scale flag) when set, else the named trace's default (a CSV
+    path gets the code trace's)."""
+    if given is not None:
+        return given
+    return (_named(trace) or TRACES["code"])[1]
 
 
 # ---------------------------------------------------------------- trace
@@ -381,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = load_trace(args.trace, start=args.start, num_requests=args.num_requests)
     time_scale = args.time_scale if args.time_scale is not None else time_scale_for_rate(rows, args.rate)
-    prompt_scale = args.prompt_scale if args.prompt_scale is not None else default_prompt_scale(args.trace)
-    scale = TraceScale(time_scale, prompt_scale, args.output_scale, args.max_prompt_tokens, args.max_output_tokens)
+    scale = TraceScale(time_scale, prompt_scale_for(args.trace, args.prompt_scale), args.output_scale,
+                       args.max_prompt_tokens, args.max_output_tokens)
     scaled = scale_trace(rows, scale)
     requests = build_requests(scaled, _load_tokenizer(args.tokenizer or args.model), seed=args.seed)
     span = scaled[-1].arrival_s

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay import (ServerProcess, TraceScale, build_requests, default_prompt_scale, load_trace, percentile,  # noqa: E402
+from replay import (ServerProcess, TraceScale, build_requests, load_trace, percentile, prompt_scale_for,  # noqa: E402
                     run_replay, scale_trace, time_scale_for_rate, _load_tokenizer)
 from common import machine_description  # noqa: E402
 
@@ -116,12 +116,11 @@ def main() -> int:
     from elastic_hf.model.loader import resolve_model
     checkpoint = str(resolve_model(args.model).checkpoint_dir)
     rows = load_trace(args.trace, start=0, num_requests=args.num_requests)
-    prompt_scale = args.prompt_scale if args.prompt_scale is not None else default_prompt_scale(args.trace)
-    scale = TraceScale(time_scale_for_rate(rows, args.rate), prompt_scale, 1.0, args.max_prompt_tokens,
-                       args.max_output_tokens)
+    scale = TraceScale(time_scale_for_rate(rows, args.rate), prompt_scale_for(args.trace, args.prompt_scale), 1.0,
+                       args.max_prompt_tokens, args.max_output_tokens)
     requests = build_requests(scale_trace(rows, scale), _load_tokenizer(checkpoint))
-    print(f"machine: {machine_description()}\n{len(requests)} requests of the Azure {args.trace} trace at {args.rate} req/s, "
-          f"{scale.describe()}")
+    print(f"machine: {machine_description()}\n{len(requests)} requests of the Azure {args.trace} trace at "
+          f"{args.rate} req/s, {scale.describe()}")
     with tempfile.TemporaryDirectory() as tmp:
         timeline = Path(args.keep) if args.keep else Path(tmp) / "timeline.jsonl"
         timeline.unlink(missing_ok=True)

@@ -113,14 +113,13 @@ def offline(args, checkpoint: str, prompts: list[list[int]], vllm: Path, env: di
 
 # ---------------------------------------------------------------- serving replay
 def serving(args, checkpoint: str, vllm: Path, env: dict) -> dict[str, dict[str, list[float]]]:
-    from replay import (ServerProcess, TraceScale, build_requests, default_prompt_scale, load_trace, run_replay,
+    from replay import (ServerProcess, TraceScale, build_requests, load_trace, prompt_scale_for, run_replay,
                         scale_trace, time_scale_for_rate)
     from model_shapes import prompt_tokenizer
 
     rows = load_trace(args.trace, start=0, num_requests=args.num_requests)
-    prompt_scale = args.prompt_scale if args.prompt_scale is not None else default_prompt_scale(args.trace)
-    scale = TraceScale(time_scale_for_rate(rows, args.rate), prompt_scale, 1.0, args.max_prompt_tokens,
-                       args.max_output_tokens)
+    scale = TraceScale(time_scale_for_rate(rows, args.rate), prompt_scale_for(args.trace, args.prompt_scale), 1.0,
+                       args.max_prompt_tokens, args.max_output_tokens)
     requests = build_requests(scale_trace(rows, scale), prompt_tokenizer(checkpoint))
     print(f"serving: {len(requests)} requests of the Azure {args.trace} trace at {args.rate} req/s, "
           f"{scale.describe()}, {args.dtypes[0]}")

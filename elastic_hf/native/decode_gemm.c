@@ -61,19 +61,28 @@
         return; \
     }
 
-/* The weight a row tile prefetches into L2 while it computes: the thread's next K chunk, spread over the row tiles
- * after the first so that the DRAM stream runs while they compute from L2 (else the first row tile of each chunk
+/* The weight a row tile prefetches into L2 while it computes: the thread's next K chunk, spread evenly over all the
+ * row tiles of the current chunk, so that the DRAM stream runs while they compute (else each chunk's first row tile
  * waits on DRAM and the others on nothing, and the two add up). `rows` k-rows (256 B each: 64 fp32 outputs, or 64
- * bf16 outputs x one k-pair) of `ns` strips from `s0`, at `base`; this tile's share starts at its kt-iteration
- * `it0` of `iters` in all. base NULL: nothing to prefetch. */
+ * bf16 outputs x one k-pair) of `ns` strips from `s0`, at `base`; this row tile's share starts at kt-iteration `it0`
+ * of `iters` in all (it0 == 0: the chunk's first row tile). base NULL: no next chunk (one row tile, or the thread's
+ * last chunk). */
 typedef struct { const char *base; int64_t rows, it0, iters; int s0, ns; } NextChunk;
 
-AI void prefetch_share(const NextChunk *pf, int64_t kt)
+/* Prefetches of one kt-iteration of a row tile whose tile (4 KiB, [16 k or k-pairs][64 n]) is at `tile`: its share
+ * of the next chunk, and for the chunk's first row tile also the stream two tiles ahead within this chunk (what the
+ * later row tiles then re-read is in L1/L2 already). */
+AI void prefetch_weight(const NextChunk *pf, int64_t kt, const char *tile, int s0)
 {
-    if (!pf->base) return;
-    const int64_t it = pf->it0 + kt;
-    for (int64_t r = it * pf->rows / pf->iters, end = (it + 1) * pf->rows / pf->iters; r < end; r++)
-        for (int j = 0; j < pf->ns; j++) _mm_prefetch(pf->base + r * 256 + 64 * (pf->s0 + j), _MM_HINT_T1);
+    if (pf->base) {
+        const int64_t it = pf->it0 + kt;
+        for (int64_t r = it * pf->rows / pf->iters, end = (it + 1) * pf->rows / pf->iters; r < end; r++)
+            for (int j = 0; j < pf->ns; j++) _mm_prefetch(pf->base + r * 256 + 64 * (pf->s0 + j), _MM_HINT_T1);
+    }
+    if (pf->it0 == 0) {
+        _mm_prefetch(tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T1);
+        _mm_prefetch(tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T1);
+    }
 }
 
 /* ---------------------------------------------------------------------------------------------------------- fp32 */
@@ -86,11 +95,7 @@ AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, f
     LOAD_PARTIAL(acc, partial, first, s0, ns, rows)
     for (int64_t kt = 0; kt < k_tiles; kt++) {
         const float *tile = w + kt * 16 * 64;               /* [16 k][64 n] */
-        prefetch_share(pf, kt);
-        if (pf->it0 == 0) {
-            _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T1);
-            _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T1);
-        }
+        prefetch_weight(pf, kt, (const char *)tile, s0);
         for (int kk = 0; kk < 16; kk++) {
             __m512 wv[STRIPS_PER_BLOCK];
             for (int j = 0; j < ns; j++) wv[j] = _mm512_loadu_ps(tile + kk * 64 + 16 * (s0 + j));
@@ -182,11 +187,7 @@ AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t l
     LOAD_PARTIAL(acc, partial, first, s0, ns, rows)
     for (int64_t kt = 0; kt < k_tiles; kt++) {
         const uint16_t *tile = w + kt * 16 * 64 * 2;          /* [16 k-pairs][64 n][2] */
-        prefetch_share(pf, kt);
-        if (pf->it0 == 0) {
-            _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0, _MM_HINT_T1);
-            _mm_prefetch((const char *)tile + PREFETCH_BYTES + 64 * s0 + 2048, _MM_HINT_T1);
-        }
+        prefetch_weight(pf, kt, (const char *)tile, s0);
         for (int kp = 0; kp < 16; kp++) {
             __m512i packed[STRIPS_PER_BLOCK];
             __m512 wv[STRIPS_PER_BLOCK];

@@ -1,6 +1,6 @@
 """ctypes binding of decode_gemm.c: a linear's product read straight from the weight oneDNN packed for it
-(layers/packed_linear.py); on the AVX-512 Xeon measured, faster than oneDNN's own inner product at 1-128 rows in bf16
-and at 1 row in fp32, level with it from 4 fp32 rows up (benchmarks/decode_gemm.py)."""
+(layers/packed_linear.py); on the AVX-512 Xeon measured, faster than oneDNN's own inner product at 1-512 rows in bf16
+and at 1-32 rows in fp32, level with it at 128-512 fp32 rows (benchmarks/decode_gemm.py, benchmarks/RESULTS.md)."""
 from __future__ import annotations
 
 import ctypes

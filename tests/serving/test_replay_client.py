@@ -34,7 +34,8 @@ def test_conversation_trace_is_a_different_workload_from_the_code_trace():
     mean = lambda rows, key: sum(getattr(r, key) for r in rows) / len(rows)   # noqa: E731
     assert mean(code, "prompt_tokens") / mean(code, "output_tokens") > 50
     assert mean(conv, "prompt_tokens") / mean(conv, "output_tokens") < 10
-    assert replay.default_prompt_scale("conv") == 0.25 and replay.default_prompt_scale(None) == 1 / 16
+    assert replay.prompt_scale_for("conv") == 0.25 and replay.prompt_scale_for(None) == 1 / 16
+    assert replay.prompt_scale_for("conv", 0.5) == 0.5   # a --prompt-scale flag wins over the trace's default
 
 
 def test_replay_against_server(tiny_server):
