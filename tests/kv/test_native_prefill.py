@@ -1,5 +1,5 @@
 """The native causal prefill kernel (elastic_hf/native/causal_prefill.c) against SDPA on the same q/k/v: whole
-prompts and chunks at the end of a longer context, lengths that are not multiples of its key / query blocks, the
+prompts and chunks at the end of a longer context (up to several of its key spans), lengths that are not multiples of its key / query blocks, the
 head sizes it specialises (64, 128) and generic ones, several GQA groups, strided views of one packed projection
 (as HF hands them over), fp32 and bf16; and a whole step's chunks in one call (the batch entry point), each with its
 own lengths and strides, giving every sequence its own result."""
@@ -30,7 +30,9 @@ def reference(q, k, v, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 8, 2), (24, 4, 4), (48, 8, 1)])
-@pytest.mark.parametrize("q_len,ctx", [(1, 1), (7, 7), (33, 33), (100, 100), (5, 70), (40, 97), (1, 50)])
+# (70, 1300), (600, 1100): contexts of several key spans (KEY_SPAN 512), whose row groups take turns span by span
+@pytest.mark.parametrize("q_len,ctx", [(1, 1), (7, 7), (33, 33), (100, 100), (5, 70), (40, 97), (1, 50), (70, 1300),
+                                       (600, 1100)])
 def test_kernel_matches_sdpa(head_dim, num_heads, num_kv_heads, q_len, ctx, dtype):
     assert native_prefill_available(dtype, torch.device("cpu"))
     torch.manual_seed(head_dim * 1000 + q_len * 7 + ctx)
