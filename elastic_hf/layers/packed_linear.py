@@ -38,6 +38,11 @@ from elastic_hf.native.decode_gemm import decode_gemm, packed_data_ptr, reads_pa
 
 # oneDNN picks the blocked layout for this many rows; measured equally good from decode (M=1) to prefill (M=512).
 PACK_BATCH_HINT = 32
+# From this many rows an fp32 product goes to oneDNN's inner product even where our kernel can read the weight: there
+# the product is compute-bound and oneDNN's fp32 kernel the faster one (the default model's 30 layers of linears,
+# 2 threads, ours / oneDNN: 96 rows 62.7 / 66.7 ms, 128 rows 86.8 / 84.9, 200 rows 143 / 135, 465 rows 340 / 301,
+# 1000 rows 741 / 656). bf16 stays on ours at every row count (oneDNN's vdpbf16ps runs at half the FMA rate).
+ONEDNN_FP32_FROM_ROWS = 128
 
 
 def packing_available() -> bool:
@@ -61,8 +66,9 @@ class PackedLinear(nn.Linear):
 def packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                    direct: DirectProduct | None) -> torch.Tensor:
     """x @ W.T (+ bias) for a oneDNN-packed W: native/decode_gemm.c where `direct` is its handle on W and x has W's
-    dtype, else oneDNN's inner product. [..., in] -> [..., out]."""
-    if direct is not None and x.dtype == direct.dtype:
+    dtype (fp32: below ONEDNN_FP32_FROM_ROWS rows), else oneDNN's inner product. [..., in] -> [..., out]."""
+    if direct is not None and x.dtype == direct.dtype and (
+            x.dtype != torch.float32 or x.numel() < ONEDNN_FP32_FROM_ROWS * x.shape[-1]):
         return decode_gemm(x, direct.weight_ptr, bias, direct.out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 

@@ -1,6 +1,7 @@
 """ctypes binding of decode_gemm.c: a linear's product read straight from the weight oneDNN packed for it
 (layers/packed_linear.py); on the AVX-512 Xeon measured, faster than oneDNN's own inner product at 1-512 rows in bf16
-and at 1-32 rows in fp32, level with it at 128-512 fp32 rows (benchmarks/decode_gemm.py, benchmarks/RESULTS.md)."""
+and at 1-112 rows in fp32, behind it from 128 fp32 rows, where packed linears route to oneDNN
+(layers/packed_linear.py ONEDNN_FP32_FROM_ROWS; benchmarks/decode_gemm.py, benchmarks/RESULTS.md)."""
 from __future__ import annotations
 
 import ctypes

@@ -41,6 +41,29 @@ def test_packed_bf16_is_bit_identical_and_fp32_close(shape):
             assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+@pytest.mark.skipif(not decode_gemm_available(torch.float32), reason="no native decode GEMM on this CPU")
+def test_fp32_products_of_many_rows_go_to_onednn(monkeypatch):
+    """Our kernel takes an fp32 product below ONEDNN_FP32_FROM_ROWS rows, oneDNN's (the faster one there) from it
+    on; both give F.linear's result up to float rounding."""
+    from elastic_hf.layers import packed_linear
+    torch.manual_seed(3)
+    linear = nn.Linear(576, 1536)
+    reference = nn.Linear(576, 1536)
+    reference.load_state_dict(linear.state_dict())
+    pack_linear(linear)
+    assert linear.direct is not None
+    calls = []
+    native = packed_linear.decode_gemm
+    monkeypatch.setattr(packed_linear, "decode_gemm", lambda *a: calls.append(a[0].shape) or native(*a))
+    limit = packed_linear.ONEDNN_FP32_FROM_ROWS
+    for rows in (1, limit - 1, limit, 3 * limit):
+        x = torch.randn(1, rows, 576)
+        expected = reference(x)
+        got = linear(x)
+        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert calls == [(1, 1, 576), (1, limit - 1, 576)]
+
+
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_members_give_their_own_results(dtype, bias):
