@@ -128,25 +128,6 @@ static inline __attribute__((always_inline)) void rows_over_keys(
 #if defined(__AVX512F__) && KEY_BLOCK == 32 && ROWS == 8
 #include <immintrin.h>
 #define HAVE_AVX512_ROWS 1
-/* fast_exp.h's exp_nonpositive on 16 lanes: the same range reduction and polynomial */
-static inline __attribute__((always_inline)) __m512 exp_nonpositive_avx512(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                          _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
-}
-
 /* rows_over_keys with every product in registers (head_dim 64 or 128): a key block's scores are ROWS x 2 zmm
  * accumulators (one K^T load of 2 zmm feeds 16 FMAs); the probabilities then go through V PV_ROWS rows at a time
  * (PV_ROWS x head_dim / 16 accumulators, one V row of head_dim / 16 zmm feeding them all). The compiler keeps the

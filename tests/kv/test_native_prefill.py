@@ -1,8 +1,8 @@
 """The native causal prefill kernel (elastic_hf/native/causal_prefill.c) against SDPA on the same q/k/v: whole
-prompts and chunks at the end of a longer context (up to several of its key spans), lengths that are not multiples of its key / query blocks, the
-head sizes it specialises (64, 128) and generic ones, several GQA groups, strided views of one packed projection
-(as HF hands them over), fp32 and bf16; and a whole step's chunks in one call (the batch entry point), each with its
-own lengths and strides, giving every sequence its own result."""
+prompts and chunks at the end of a longer context (up to several of its key spans), lengths that are not multiples
+of its key / query blocks, the head sizes it specialises (64, 128) and generic ones, several GQA groups, strided
+views of one packed projection (as HF hands them over), fp32 and bf16; and a whole step's chunks in one call (the
+batch entry point), each with its own lengths and strides, giving every sequence its own result."""
 import pytest
 import torch
 import torch.nn.functional as F
