@@ -17,8 +17,6 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # Appended to help texts that explain their own default: the empty format keeps argparse's
 # ArgumentDefaultsHelpFormatter from adding a misleading "(default: None)".
 _OWN_DEFAULT = "%(default).0s"
-SERVER_MAX_NUM_SEQS = 128             # vLLM's OpenAI server on CPU: max_num_seqs 128, max_num_batched_tokens 2048
-SERVER_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,14 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="move a thinking model's <think>...</think> part to reasoning_content: deepseek_r1 (the "
                              "template opens <think>), qwen3 (the model opens it, or skips it) (default: none, the "
                              "output stays content)" + _OWN_DEFAULT)
-    # A server's batch limits are vLLM's API-server defaults on CPU, larger than the Python API's 64 / 512: a queue of
-    # waiting prompts is admitted in fewer, larger steps (saturating conversation trace, fp32, 3 rounds: TTFT
-    # P95 / P99 1.31 / 1.42 -> 1.16 / 1.29 s at an unchanged TPOT; benchmarks/RESULTS.md session 48).
-    parser.add_argument("--max-num-seqs", type=int, default=SERVER_MAX_NUM_SEQS,
-                        help="most sequences in one running batch (default: %(default)s; the Python API's is 64)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=SERVER_MAX_NUM_BATCHED_TOKENS,
-                        help="token budget of one step; longer prompts are prefilled in chunks (default: "
-                             "%(default)s; the Python API's is 512)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="most sequences in one running batch (default: engine default, 64)" + _OWN_DEFAULT)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one step; longer prompts are prefilled in chunks "
+                             "(default: engine default, 512)" + _OWN_DEFAULT)
     parser.add_argument("--pipeline-batches", type=int, default=None,
                         help="batches a pipelined instance keeps in flight: stage s runs batch t+1 while stage s+1 "
                              "finishes t (cross-step pipelining); 1 drains the pipe at every step (default: one "

@@ -38,19 +38,6 @@ def test_vllm_flag_names_map_onto_the_config():
         _config("--max-stop-strings", "0")
 
 
-def test_a_server_batches_as_vllms_api_server_and_the_python_api_keeps_its_own_limits():
-    import dataclasses
-
-    from elastic_hf.config import EngineConfig
-
-    config = _config()
-    assert (config.max_num_seqs, config.max_num_batched_tokens) == (128, 2048)   # vLLM's API server on CPU
-    config = _config("--max-num-seqs", "8", "--max-num-batched-tokens", "256")
-    assert (config.max_num_seqs, config.max_num_batched_tokens) == (8, 256)
-    library = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    assert (library["max_num_seqs"], library["max_num_batched_tokens"]) == (64, 512)
-
-
 def test_stop_string_limits_are_400s_and_other_requests_go_on(tiny_server):
     import openai
 
