@@ -1,4 +1,5 @@
-"""Activation dtype for the aten int-pack kernels.
+"""Activation dtype for the aten int-pack kernels (W8 / W4 layers on CUDA, and on CPUs or shapes that
+native/quant_gemm.c does not take).
 
 Both kernels have their vectorized (AVX-512 / AVX2) CPU paths only for bf16 activations; fp32 and fp16 inputs
 fall to a scalar loop. Measured on this project's 2-core AVX-512 CPU, 1 thread, 1536x576 weight:

@@ -16,6 +16,7 @@ from torch import nn
 
 from elastic_hf.layers.kernel_dtype import INT_PACK_KERNEL_DTYPE
 from elastic_hf.layers.quant_scheme import QuantScheme, dequantize_w4, quantize_w4
+from elastic_hf.native.quant_gemm import quant_gemm, quant_gemm_supports, w4_from_blocked, w4_to_blocked
 
 _CUDA_INNER_K_TILES = (8, 4, 2)
 
@@ -73,11 +74,14 @@ def from_portable_qweight(qweight: torch.Tensor) -> torch.Tensor:
 
 
 class W4Linear(nn.Module):
-    """y = x @ W4^T + bias with W4 group-wise uint4, computed by the int4-pack kernel (no fp weight).
+    """y = x @ W4^T + bias with W4 group-wise uint4 (no fp weight kept).
 
-    Activations and scales are cast to bf16 at the kernel boundary (see kernel_dtype.py: on CPU the bf16 path is
-    the vectorized one, on CUDA the kernel needs it) and the output is cast back; kernel vs dequantized fp32
-    reference: relative error ~4e-3 from bf16 rounding."""
+    On an AVX-512 CPU (shapes in whole 64-output blocks, K and the group in 16-wide tiles) `weight_packed` holds
+    our blocked nibble layout [out/64, in/16, 16, 32] and native/quant_gemm.c multiplies in fp32 (vs the dequantized
+    reference: relative error ~1e-6 for fp32 activations; bf16 ones get one rounding of the output). Elsewhere it
+    holds aten's int4-pack layout and aten's kernel runs, with activations and scales cast to bf16 at the boundary
+    (see kernel_dtype.py: on CPU the bf16 path is the vectorized one, on CUDA the kernel needs it) and the output
+    cast back; vs the reference: relative error ~4e-3 from bf16 rounding."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int, has_bias: bool, device=None):
         super().__init__()
@@ -88,8 +92,9 @@ class W4Linear(nn.Module):
         self.group_size = group_size
         self.scheme = QuantScheme(quant="w4", group_size=group_size)
         zeros_q = torch.full((out_features, in_features), 8, dtype=torch.int32)
+        self.blocked = quant_gemm_supports(out_features, in_features, device, group_size)
         # Kernel-layout weight; not in the state dict (the portable `qweight` is, see module docstring).
-        self.register_buffer("weight_packed", pack_int4(zeros_q, device), persistent=False)
+        self.register_buffer("weight_packed", self._pack(zeros_q, device), persistent=False)
         sz_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.register_buffer("scales_and_zeros", torch.zeros(in_features // group_size, out_features, 2,
                                                              dtype=sz_dtype, device=device))
@@ -122,13 +127,28 @@ class W4Linear(nn.Module):
         return cls.from_weight(linear.weight.detach(), group_size,
                                None if linear.bias is None else linear.bias.detach())
 
+    def _pack(self, q: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """q int32 [out, in] in [0, 15] -> this layer's kernel layout."""
+        return w4_to_blocked(q).to(device) if self.blocked else pack_int4(q, device)
+
+    def _unpack(self) -> torch.Tensor:
+        """The kernel layout -> q int32 [out, in]."""
+        if self.blocked:
+            return w4_from_blocked(self.weight_packed)
+        return unpack_int4(self.weight_packed, self.out_features, self.in_features)
+
     def _set_quantized(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         device = self.scales_and_zeros.device
-        self.weight_packed = pack_int4(q, device)
+        self.weight_packed = self._pack(q, device)
         sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
         self.scales_and_zeros.copy_(sz.to(self.scales_and_zeros.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked:
+            kernel_x = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+            out = quant_gemm(kernel_x, self.weight_packed, self.bias, scales_and_zeros=self.scales_and_zeros,
+                             group_size=self.group_size)             # [..., out]
+            return out.to(x.dtype)
         lead_shape = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features).to(INT_PACK_KERNEL_DTYPE)  # [num_tokens, in]
         scales_and_zeros = self.scales_and_zeros.to(INT_PACK_KERNEL_DTYPE)
@@ -143,7 +163,7 @@ class W4Linear(nn.Module):
 
     def quantized_values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q int32 [out, in], scales [out, groups], zeros [out, groups]) in fp32."""
-        q = unpack_int4(self.weight_packed, self.out_features, self.in_features)
+        q = self._unpack()
         sz = self.scales_and_zeros.float().transpose(0, 1)  # [out, groups, 2]
         return q, sz[..., 0].contiguous(), sz[..., 1].contiguous()
 
@@ -157,7 +177,7 @@ class W4Linear(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        q = unpack_int4(self.weight_packed, self.out_features, self.in_features)
+        q = self._unpack()
         destination[prefix + "qweight"] = to_portable_qweight(q).cpu() if not keep_vars else to_portable_qweight(q)
         destination[prefix + "scales_and_zeros"] = self.scales_and_zeros.float()
 
@@ -179,7 +199,7 @@ class W4Linear(nn.Module):
         if tuple(qweight.shape) != expected or qweight.dtype != torch.uint8:
             error_msgs.append(f"{key}: expected uint8 {expected}, got {qweight.dtype} {tuple(qweight.shape)}")
             return
-        self.weight_packed = pack_int4(from_portable_qweight(qweight), self.scales_and_zeros.device)
+        self.weight_packed = self._pack(from_portable_qweight(qweight), self.scales_and_zeros.device)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

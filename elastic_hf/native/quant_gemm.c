@@ -1,0 +1,345 @@
+/* Weight-only quantized linear products on the CPU, for the layers precision morphing swaps in (layers/w8_linear.py,
+ * layers/w4_linear.py): y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) with x and y fp32 or bf16, any number of rows,
+ * and W one of
+ *   W8  q int8, one scale per output channel:          W[n, k] = q[n, k] * scale[n]
+ *   W4  q uint4, (scale, zero) per group of k:          W[n, k] = (q[n, k] - 8) * scale[k / g, n] + zero[k / g, n]
+ *
+ * Why: aten's int-pack kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) are vectorised for bf16
+ * activations only, and even so run behind the fp32 dense product they replace from a few rows up (the default
+ * model's linears, 1 thread: 0.5-0.9x fp32 at 16 rows, 0.4x at 256; benchmarks/quant_kernels.py), so a morphed layer
+ * was smaller but slower. Here the weight is widened to fp32 in registers and multiplied with fp32 FMAs: at a decode
+ * step's few rows the product streams a quarter (W8) or an eighth (W4) of the fp32 weight's bytes; at a prefill's
+ * hundreds of rows each K chunk of the weight is widened once into an fp32 panel in L1 that all row tiles read.
+ *
+ * Layouts read ("blocked", written by the layers; N a multiple of 64, K of 16, a W4 group a multiple of 16):
+ *   W8  [N/64][K/16][16 k][64 n] int8: one k of 64 outputs is one 64-byte line
+ *   W4  [N/64][K/16][16 k][32 B]: byte i of a k-row holds output i in its low nibble, output 32 + i in its high one
+ * so a block of 64 outputs is one contiguous stream; W8 scales [N] fp32; W4 scales_and_zeros [K/g][N][2] fp32
+ * (aten's layout, kept so the state dict stays portable).
+ *
+ * Work split: the N/16 column strips (16 outputs, one zmm) are cut into one contiguous range per thread. Each thread
+ * walks its strips block by block, up to 4 strips at a time. Few rows: every tile of rows runs the block's whole K,
+ * widening as it goes (W8: 6 rows x 4 strips of accumulators; W4, which also holds its group's scales and zeros: 4
+ * rows); the first tile streams the weight from DRAM, later ones read it again from L2. Many rows: K in chunks of 64,
+ * each widened once into the panel (16 KiB) and run by every row tile, their sums kept between chunks in memory.
+ *
+ * Rounding: fp32 sums in k order; W8 multiplies the sum by the channel's scale, W4 dequantizes each weight with one
+ * FMA ((q - 8) * scale + zero) before it; the bias is added and a bf16 output rounded to nearest even once. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#define ROW_TILE 6
+#define ROW_TILE_W4 4
+#define STRIPS_PER_BLOCK 4       /* 64 outputs a block, 16 a strip */
+#define ROW_CHUNK 256            /* rows per pass: bounds the partial sums (and bf16's widened x) at 256 rows */
+#define PANEL_K 64               /* k per widened panel: 64 x 64 floats = 16 KiB, in L1 */
+#define PANEL_FROM_ROWS 13       /* from this many rows on, the panel path (its widening amortised over 3+ tiles) */
+#define PREFETCH_LINES 8         /* the first row tile prefetches this many k-rows ahead into L2 */
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define AI static inline __attribute__((always_inline))
+
+typedef struct {
+    const uint8_t *w;            /* blocked weight */
+    int bits;                    /* 8 or 4 */
+    const float *scale;          /* W8: [N] */
+    const float *sz;             /* W4: [K/g][N][2] */
+    int64_t group_tiles;         /* W4: g / 16 */
+    int64_t n;                   /* N (the row stride of sz) */
+    const float *bias;           /* [N] fp32 or NULL */
+} QuantWeight;
+
+/* 16 fp32 lanes -> 16 bf16, rounded to nearest even, NaN kept quiet (bf16.h's f32_to_bf16, vectorised: no
+ * AVX512-BF16 instruction needed) */
+AI __m256i f32_to_bf16_x16(__m512 v)
+{
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* Strip j's 16 weights of one W8 k-row (64 bytes), widened */
+AI __m512 w8_strip(const uint8_t *row, int j)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * j))));
+}
+
+/* Strip j's 16 values q - 8 of one W4 k-row (32 bytes), widened: strips 0 and 1 are the low nibbles of bytes 0-15
+ * and 16-31, strips 2 and 3 their high nibbles */
+AI __m512 w4_strip(const uint8_t *row, int j)
+{
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * (j & 1))));
+    v = j < 2 ? _mm512_and_si512(v, _mm512_set1_epi32(15)) : _mm512_srli_epi32(v, 4);
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(8)));
+}
+
+/* The (scale, zero) of group `grp` for 16 outputs from n0, out of the interleaved [groups][N][2] */
+AI void w4_group(const QuantWeight *qw, int64_t grp, int64_t n0, __m512 *s, __m512 *z)
+{
+    const float *p = qw->sz + (grp * qw->n + n0) * 2;
+    const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    *s = _mm512_permutex2var_ps(a, even, b);
+    *z = _mm512_permutex2var_ps(a, odd, b);
+}
+
+/* A tile's results: times the W8 scale (scale NULL: none), plus the bias, stored as fp32 or bf16 */
+AI void store_tile(__m512 acc[][STRIPS_PER_BLOCK], void *y, int64_t ldy, int y_bf16, const float *scale,
+                   const float *bias, int s0, int ns, int rows)
+{
+    for (int j = 0; j < ns; j++) {
+        const __m512 sc = scale ? _mm512_loadu_ps(scale + 16 * (s0 + j)) : _mm512_set1_ps(1.0f);
+        const __m512 b = bias ? _mm512_loadu_ps(bias + 16 * (s0 + j)) : _mm512_setzero_ps();
+        for (int m = 0; m < rows; m++) {
+            const __m512 v = scale ? _mm512_fmadd_ps(acc[m][j], sc, b) : _mm512_add_ps(acc[m][j], b);
+            if (y_bf16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * ldy + 16 * (s0 + j)), f32_to_bf16_x16(v));
+            else
+                _mm512_storeu_ps((float *)y + m * ldy + 16 * (s0 + j), v);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- few rows: direct */
+/* Rows [0, rows) of x against strips [s0, s0 + ns) of one W8 block (its k-rows from w); y, scale, bias at the
+ * block's first output */
+AI void tile_w8(const uint8_t *w, int64_t k_tiles, const float *x, int64_t ldx, void *y, int64_t ldy, int y_bf16,
+                const float *scale, const float *bias, int prefetch, int s0, const int ns, const int rows)
+{
+    __m512 acc[ROW_TILE][STRIPS_PER_BLOCK];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < ns; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+        const uint8_t *tile = w + kt * 16 * 64;
+        if (prefetch)
+            for (int r = 0; r < 16; r++) _mm_prefetch((const char *)tile + (PREFETCH_LINES + r) * 64, _MM_HINT_T1);
+        for (int kk = 0; kk < 16; kk++) {
+            __m512 wv[STRIPS_PER_BLOCK];
+            for (int j = 0; j < ns; j++) wv[j] = w8_strip(tile + kk * 64, s0 + j);
+            const int64_t k = kt * 16 + kk;
+            for (int m = 0; m < rows; m++) {
+                const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+                for (int j = 0; j < ns; j++) acc[m][j] = _mm512_fmadd_ps(wv[j], xb, acc[m][j]);
+            }
+        }
+    }
+    store_tile(acc, y, ldy, y_bf16, scale, bias, s0, ns, rows);
+}
+
+/* The same for a W4 block; n0: the block's first output (for its groups' scales and zeros) */
+AI void tile_w4(const uint8_t *w, int64_t k_tiles, const QuantWeight *qw, int64_t n0, const float *x, int64_t ldx,
+                void *y, int64_t ldy, int y_bf16, const float *bias, int prefetch, int s0, const int ns,
+                const int rows)
+{
+    __m512 acc[ROW_TILE_W4][STRIPS_PER_BLOCK], s[STRIPS_PER_BLOCK], z[STRIPS_PER_BLOCK];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < ns; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+        if (kt % qw->group_tiles == 0)
+            for (int j = 0; j < ns; j++) w4_group(qw, kt / qw->group_tiles, n0 + 16 * (s0 + j), &s[j], &z[j]);
+        const uint8_t *tile = w + kt * 16 * 32;
+        if (prefetch)
+            for (int r = 0; r < 16; r += 2) _mm_prefetch((const char *)tile + (PREFETCH_LINES + r) * 64, _MM_HINT_T1);
+        for (int kk = 0; kk < 16; kk++) {
+            __m512 wv[STRIPS_PER_BLOCK];
+            for (int j = 0; j < ns; j++) wv[j] = _mm512_fmadd_ps(w4_strip(tile + kk * 32, s0 + j), s[j], z[j]);
+            const int64_t k = kt * 16 + kk;
+            for (int m = 0; m < rows; m++) {
+                const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+                for (int j = 0; j < ns; j++) acc[m][j] = _mm512_fmadd_ps(wv[j], xb, acc[m][j]);
+            }
+        }
+    }
+    store_tile(acc, y, ldy, y_bf16, NULL, bias, s0, ns, rows);
+}
+
+/* -------------------------------------------------------------------------------------------- many rows: panel */
+/* K tiles [kt0, kt0 + kts) of strips [s0, s0 + ns) of one block, widened (and for W4 dequantized) into
+ * panel[k][64] */
+AI void widen_panel(const QuantWeight *qw, const uint8_t *w, int64_t n0, int64_t kt0, int64_t kts, float *panel,
+                    int s0, int ns)
+{
+    for (int64_t kt = 0; kt < kts; kt++) {
+        if (qw->bits == 8) {
+            for (int kk = 0; kk < 16; kk++)
+                for (int j = s0; j < s0 + ns; j++)
+                    _mm512_store_ps(panel + (kt * 16 + kk) * 64 + 16 * j, w8_strip(w + ((kt0 + kt) * 16 + kk) * 64, j));
+            continue;
+        }
+        __m512 s[STRIPS_PER_BLOCK], z[STRIPS_PER_BLOCK];
+        for (int j = s0; j < s0 + ns; j++) w4_group(qw, (kt0 + kt) / qw->group_tiles, n0 + 16 * j, &s[j], &z[j]);
+        for (int kk = 0; kk < 16; kk++)
+            for (int j = s0; j < s0 + ns; j++)
+                _mm512_store_ps(panel + (kt * 16 + kk) * 64 + 16 * j,
+                                _mm512_fmadd_ps(w4_strip(w + ((kt0 + kt) * 16 + kk) * 32, j), s[j], z[j]));
+    }
+}
+
+/* Rows [0, rows) of x against the panel's kn k of strips [s0, s0 + ns); the sums cross K chunks in `partial`
+ * ([rows][64], exact in memory, so chunking changes no bit) and are stored at the last chunk */
+AI void tile_panel(const float *panel, int64_t kn, const float *x, int64_t ldx, void *y, int64_t ldy, int y_bf16,
+                   const float *scale, const float *bias, float *partial, int first, int last, int s0, const int ns,
+                   const int rows)
+{
+    __m512 acc[ROW_TILE][STRIPS_PER_BLOCK];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < ns; j++)
+            acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + m * 64 + 16 * (s0 + j));
+    for (int64_t k = 0; k < kn; k++) {
+        __m512 wv[STRIPS_PER_BLOCK];
+        for (int j = 0; j < ns; j++) wv[j] = _mm512_load_ps(panel + k * 64 + 16 * (s0 + j));
+        for (int m = 0; m < rows; m++) {
+            const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+            for (int j = 0; j < ns; j++) acc[m][j] = _mm512_fmadd_ps(wv[j], xb, acc[m][j]);
+        }
+    }
+    if (!last) {
+        for (int m = 0; m < rows; m++)
+            for (int j = 0; j < ns; j++) _mm512_storeu_ps(partial + m * 64 + 16 * (s0 + j), acc[m][j]);
+        return;
+    }
+    store_tile(acc, y, ldy, y_bf16, scale, bias, s0, ns, rows);
+}
+
+/* dispatch to an instance with constant strip and row counts, so every loop above unrolls into registers */
+#define DISPATCH_ROWS(FN, NS, ...) \
+    switch (rows) { case 1: FN(__VA_ARGS__, NS, 1); break; case 2: FN(__VA_ARGS__, NS, 2); break; \
+                    case 3: FN(__VA_ARGS__, NS, 3); break; case 4: FN(__VA_ARGS__, NS, 4); break; \
+                    case 5: FN(__VA_ARGS__, NS, 5); break; default: FN(__VA_ARGS__, NS, 6); break; }
+#define DISPATCH_ROWS4(FN, NS, ...) \
+    switch (rows) { case 1: FN(__VA_ARGS__, NS, 1); break; case 2: FN(__VA_ARGS__, NS, 2); break; \
+                    case 3: FN(__VA_ARGS__, NS, 3); break; default: FN(__VA_ARGS__, NS, 4); break; }
+#define DISPATCH(ROWS, FN, ...) \
+    switch (ns) { case 1: ROWS(FN, 1, __VA_ARGS__) break; case 2: ROWS(FN, 2, __VA_ARGS__) break; \
+                  case 3: ROWS(FN, 3, __VA_ARGS__) break; default: ROWS(FN, 4, __VA_ARGS__) break; }
+
+/* A thread's strips [first, last) for rows [0, rows_total) of x: block by block, up to 4 strips at a time, rows in
+ * balanced tiles (8 rows are 4 + 4, not 6 + 2). */
+static void strips(const QuantWeight *qw, int64_t k, const float *x, int64_t ldx, void *y, int64_t ldy, int y_bf16,
+                   float *panel, float *partial, int64_t rows_total, int64_t first, int64_t last)
+{
+    const int64_t k_tiles = k / 16;
+    const int panel_path = rows_total >= PANEL_FROM_ROWS;
+    const int row_tile = panel_path || qw->bits == 8 ? ROW_TILE : ROW_TILE_W4;
+    const int64_t tiles = (rows_total + row_tile - 1) / row_tile;
+    const size_t y_item = y_bf16 ? 2 : 4;
+    const int64_t block_bytes = k * (qw->bits == 8 ? 64 : 32);
+    for (int64_t s = first; s < last;) {
+        const int64_t block = s / STRIPS_PER_BLOCK;
+        const int s0 = (int)(s % STRIPS_PER_BLOCK);
+        const int ns = (int)((last - s) < STRIPS_PER_BLOCK - s0 ? (last - s) : STRIPS_PER_BLOCK - s0);
+        const uint8_t *wb = qw->w + block * block_bytes;
+        const float *sc = qw->bits == 8 ? qw->scale + block * 64 : NULL;
+        const float *bb = qw->bias ? qw->bias + block * 64 : NULL;
+        for (int64_t kt0 = 0; kt0 < k_tiles; kt0 += panel_path ? PANEL_K / 16 : k_tiles) {
+            const int64_t kts = panel_path ? (k_tiles - kt0 < PANEL_K / 16 ? k_tiles - kt0 : PANEL_K / 16) : k_tiles;
+            if (panel_path) widen_panel(qw, wb, block * 64, kt0, kts, panel, s0, ns);
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t m0 = rows_total * t / tiles;
+                const int rows = (int)(rows_total * (t + 1) / tiles - m0);
+                char *yb = (char *)y + (m0 * ldy + block * 64) * y_item;
+                if (panel_path)
+                    DISPATCH(DISPATCH_ROWS, tile_panel, panel, kts * 16, x + m0 * ldx + kt0 * 16, ldx, yb, ldy, y_bf16,
+                             sc, bb, partial + m0 * 64, kt0 == 0, kt0 + kts == k_tiles, s0)
+                else if (qw->bits == 8)
+                    DISPATCH(DISPATCH_ROWS, tile_w8, wb, k_tiles, x + m0 * ldx, ldx, yb, ldy, y_bf16, sc, bb, t == 0,
+                             s0)
+                else
+                    DISPATCH(DISPATCH_ROWS4, tile_w4, wb, k_tiles, qw, block * 64, x + m0 * ldx, ldx, yb, ldy, y_bf16,
+                             bb, t == 0, s0)
+            }
+        }
+        s += ns;
+    }
+}
+
+/* This OpenMP thread's scratch, allocated on first use and kept for the thread's life: the panel (PANEL_K x 64
+ * floats, 16 KiB) and the row tiles' sums between K chunks (ROW_CHUNK x 64 floats, 64 KiB); NULL if the allocation
+ * failed. */
+static float *thread_scratch(void)
+{
+    static _Thread_local float *scratch;
+    if (!scratch) scratch = aligned_alloc(64, sizeof(float) * (PANEL_K + ROW_CHUNK) * 64);
+    return scratch;
+}
+#endif
+
+#include <omp.h>
+
+/* Entry point. x: [m, k] with row stride ldx, fp32 or (x_bf16) bf16; y: [m, n] with row stride ldy, x's dtype;
+ * w: blocked as above, bits 8 or 4; scale (W8) [n] fp32; sz (W4) [k/group][n][2] fp32; bias [n] fp32 or NULL.
+ * Returns 0; -1 where this build or these shapes have no kernel (the caller keeps aten's); -2 when scratch could
+ * not be allocated. */
+int elastic_quant_gemm(const void *x, int64_t ldx, int x_bf16, const uint8_t *w, int bits, const float *scale,
+                       const float *sz, int64_t group, const float *bias, void *y, int64_t ldy, int64_t m, int64_t n,
+                       int64_t k, int threads)
+{
+#if defined(__AVX512F__)
+    if (m < 1 || n % 64 || k % 16 || (bits != 8 && bits != 4) || (bits == 4 && (group < 16 || group % 16 ||
+                                                                                   k % group)))
+        return -1;
+    const QuantWeight qw = {w, bits, scale, sz, bits == 4 ? group / 16 : 1, n, bias};
+    const int64_t num_strips = n / 16;
+    const int nthreads = threads > 1 && num_strips > 1 ? threads : 1;
+    /* bf16 x is widened, ROW_CHUNK rows at a time, into the calling thread's scratch (kept between calls) */
+    static _Thread_local float *xf;
+    static _Thread_local int64_t xf_capacity;
+    const int64_t chunk = m < ROW_CHUNK ? m : ROW_CHUNK;
+    if (x_bf16 && chunk * k > xf_capacity) {
+        float *grown = realloc(xf, (size_t)(chunk * k) * sizeof(float));
+        if (!grown) return -2;
+        xf = grown;
+        xf_capacity = chunk * k;
+    }
+    float *const widened = xf;
+    const size_t y_item = x_bf16 ? 2 : 4;
+    int failed = 0;
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+        const int64_t rows = m - m0 < chunk ? m - m0 : chunk;
+        void *yc = (char *)y + m0 * ldy * y_item;
+        #pragma omp parallel num_threads(nthreads) reduction(|: failed)
+        {
+            const float *xc = (const float *)x + m0 * ldx;
+            int64_t ldxc = ldx;
+            if (x_bf16) {
+                const uint16_t *xs = (const uint16_t *)x + m0 * ldx;
+                #pragma omp for schedule(static)
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t i = 0; i < k; i++) widened[r * k + i] = bf16_to_f32(xs[r * ldx + i]);
+                xc = widened;
+                ldxc = k;
+            }
+            float *scratch = thread_scratch();
+            const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+            if (scratch)
+                strips(&qw, k, xc, ldxc, yc, ldy, x_bf16, scratch, scratch + PANEL_K * 64, rows,
+                       num_strips * t / nt, num_strips * (t + 1) / nt);
+            else
+                failed = 1;
+        }
+    }
+    return failed ? -2 : 0;
+#else
+    (void)x; (void)ldx; (void)x_bf16; (void)w; (void)bits; (void)scale; (void)sz; (void)group; (void)bias; (void)y;
+    (void)ldy; (void)m; (void)n; (void)k; (void)threads;
+    return -1;
+#endif
+}
+
+/* Whether this build has the kernel at all (a CPU without AVX-512 compiles it out). */
+int elastic_quant_gemm_has(void)
+{
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
