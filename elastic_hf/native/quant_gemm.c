@@ -24,7 +24,7 @@
  * each widened once into the panel (16 KiB) and run by every row tile, their sums kept between chunks in memory.
  *
  * Rounding: fp32 sums in k order; W8 multiplies the sum by the channel's scale, W4 dequantizes each weight with one
- * FMA ((q - 8) * scale + zero) before it; the bias is added and a bf16 output rounded to nearest even once. */
+ * FMA (q * scale + (zero - 8 * scale), the offset rounded once a group) before it; the bias is added and a bf16 output rounded to nearest even once. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -71,16 +71,17 @@ AI __m512 w8_strip(const uint8_t *row, int j)
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * j))));
 }
 
-/* Strip j's 16 values q - 8 of one W4 k-row (32 bytes), widened: strips 0 and 1 are the low nibbles of bytes 0-15
- * and 16-31, strips 2 and 3 their high nibbles */
+/* Strip j's 16 values q of one W4 k-row (32 bytes), widened: strips 0 and 1 are the low nibbles of bytes 0-15 and
+ * 16-31, strips 2 and 3 their high nibbles */
 AI __m512 w4_strip(const uint8_t *row, int j)
 {
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * (j & 1))));
     v = j < 2 ? _mm512_and_si512(v, _mm512_set1_epi32(15)) : _mm512_srli_epi32(v, 4);
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(8)));
+    return _mm512_cvtepi32_ps(v);
 }
 
-/* The (scale, zero) of group `grp` for 16 outputs from n0, out of the interleaved [groups][N][2] */
+/* The scale and the offset zero - 8 * scale of group `grp` for 16 outputs from n0, out of the interleaved
+ * [groups][N][2] (scale, zero): W = q * scale + offset is one FMA a weight, the - 8 folded in once a group */
 AI void w4_group(const QuantWeight *qw, int64_t grp, int64_t n0, __m512 *s, __m512 *z)
 {
     const float *p = qw->sz + (grp * qw->n + n0) * 2;
@@ -88,7 +89,7 @@ AI void w4_group(const QuantWeight *qw, int64_t grp, int64_t n0, __m512 *s, __m5
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     *s = _mm512_permutex2var_ps(a, even, b);
-    *z = _mm512_permutex2var_ps(a, odd, b);
+    *z = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), *s, _mm512_permutex2var_ps(a, odd, b));
 }
 
 /* A tile's results: times the W8 scale (scale NULL: none), plus the bias, stored as fp32 or bf16 */
