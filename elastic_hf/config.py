@@ -161,7 +161,7 @@ class EngineConfig:
     page_size: int | None = None         # arena page; None: the backend's (OS page on CPU, 2 MiB on CUDA)
     # CPU linears on oneDNN prepacked weights (layers/packed_linear.py); on CUDA each layer's q/k/v and gate/up as
     # one GEMM over their stacked weights (layers/stacked_linear.py): auto | on | off. auto: on where it can be
-    # (one worker, no morphing: weights that never change after load), off elsewhere.
+    # (one worker; morphing: CPU only, its layers packed in their own arena bytes), off elsewhere.
     packed_weights: str = "auto"
     # Llama-formula decoder layers (Llama, Qwen2, Mistral) run as one flat forward of ours on HF's own modules
     # (layers/fused_decoder_layer.py): auto, on the CPU; on: on every device (CUDA: eager steps and captures);
@@ -330,8 +330,8 @@ class EngineConfig:
             return f"device is {self.device!r} (packing is for CPU oneDNN kernels, stacking for CUDA)"
         if self.num_workers != 1:
             return f"num_workers is {self.num_workers} (TP shards and pipeline stages are re-cut by reshapes)"
-        if self.morph.enabled:
-            return f"morph={self.morph.mode!r} (precision morphing swaps the weights)"
+        if self.morph.enabled and self.device.split(":")[0] != "cpu":   # the CPU packs them in the arena
+            return f"morph={self.morph.mode!r} on {self.device} (precision morphing swaps the weights)"
         return None
 
     @property

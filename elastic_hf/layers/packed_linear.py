@@ -25,8 +25,9 @@ pages of every packed weight nobody else reads and charges the packed bytes to t
 and the ledger stays true. A weight shared with another module (a tied LM head is the embedding table) keeps its
 plain copy, and its packed copy is extra, counted memory.
 
-Packing needs the plain weight to stay untouched for good, so it is for deployments whose weights never change
-after load: one worker (no TP shards, no pipeline stages, no reshapes) and no precision morphing
+Packing into oneDNN's allocations needs the plain weight to stay untouched for good, so it is for deployments whose
+weights never change after load: one worker (no TP shards, no pipeline stages, no reshapes). A morphing instance's
+decoder layers pack in their own arena bytes instead (pack_linear_in_place / pack_group_in_place, below)
 (EngineConfig.packed_weights)."""
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from elastic_hf.layers.cpu_gemm import MIN_ONEDNN_NUMEL, OneDnnLinear, default_backend, onednn_available
-from elastic_hf.native.decode_gemm import decode_gemm, packed_data_ptr, reads_packed
+from elastic_hf.native.decode_gemm import decode_gemm, packed_data_ptr, packed_layout, reads_packed
 
 # oneDNN picks the blocked layout for this many rows; measured equally good from decode (M=1) to prefill (M=512).
 PACK_BATCH_HINT = 32
@@ -68,8 +69,10 @@ def packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Ten
     """x @ W.T (+ bias) for a oneDNN-packed W: native/decode_gemm.c where `direct` is its handle on W and x has W's
     dtype (fp32: below ONEDNN_FP32_FROM_ROWS rows), else oneDNN's inner product. [..., in] -> [..., out]."""
     if direct is not None and x.dtype == direct.dtype and (
-            x.dtype != torch.float32 or x.numel() < ONEDNN_FP32_FROM_ROWS * x.shape[-1]):
+            direct.in_arena or x.dtype != torch.float32 or x.numel() < ONEDNN_FP32_FROM_ROWS * x.shape[-1]):
         return decode_gemm(x, direct.weight_ptr, bias, direct.out_features)
+    if direct is not None and direct.in_arena:   # no oneDNN tensor to fall back on
+        raise TypeError(f"a linear packed in the weights arena multiplies {direct.dtype} inputs only, got {x.dtype}")
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
@@ -79,11 +82,14 @@ class DirectProduct:
     holds the packed tensor, so the address stays valid while it lives (an opaque oneDNN tensor cannot be deep-copied
     or pickled, so neither can a packed linear: no copy can keep a stale address)."""
 
-    __slots__ = ("packed", "weight_ptr", "dtype", "out_features")
+    __slots__ = ("packed", "weight_ptr", "dtype", "out_features", "in_arena")
 
     def __init__(self, packed: torch.Tensor, dtype: torch.dtype, out_features: int):
         self.packed, self.dtype, self.out_features = packed, dtype, out_features
-        self.weight_ptr = packed_data_ptr(packed)
+        # A plain tensor holding the packed bytes (pack_in_place: the weights arena) has no oneDNN twin: every row
+        # count runs the native kernel (fp32 from 128 rows a few % behind oneDNN's, see ONEDNN_FP32_FROM_ROWS).
+        self.in_arena = not packed.is_mkldnn
+        self.weight_ptr = packed.data_ptr() if self.in_arena else packed_data_ptr(packed)
 
 
 def direct_product(packed: torch.Tensor, out_features: int, in_features: int, dtype: torch.dtype,
@@ -100,10 +106,10 @@ def direct_product(packed: torch.Tensor, out_features: int, in_features: int, dt
 def takes_packing(module: nn.Module) -> bool:
     """A plain (or oneDNN) CPU linear in bf16, or in fp32 when large enough for oneDNN to win at all (the rule of
     layers/cpu_gemm.py); quantized, sharded, fp16 and GPU linears keep their own kernels."""
-    return _is_plain_cpu_linear(module) and _packs(module.weight.dtype, module.weight.numel())
+    return is_plain_cpu_linear(module) and _packs(module.weight.dtype, module.weight.numel())
 
 
-def _is_plain_cpu_linear(module: nn.Module) -> bool:
+def is_plain_cpu_linear(module: nn.Module) -> bool:
     return type(module) in (nn.Linear, OneDnnLinear) and module.weight.device.type == "cpu"
 
 
@@ -192,7 +198,7 @@ def fusable(group: list[nn.Module]) -> bool:
     """Members that can share one GEMM: plain CPU linears of one dtype and input size, all with a bias or none,
     whose stacked weight packs (in fp32 the rule is on the stacked size: small K/V projections join q's)."""
     first = group[0]
-    return (len(group) > 1 and all(_is_plain_cpu_linear(m) for m in group)
+    return (len(group) > 1 and all(is_plain_cpu_linear(m) for m in group)
             and all(m.weight.dtype == first.weight.dtype and m.in_features == first.in_features for m in group)
             and len({m.bias is None for m in group}) == 1
             and _packs(first.weight.dtype, sum(m.weight.numel() for m in group)))
@@ -220,3 +226,43 @@ def make_members(group: list[nn.Linear], product: FusedProduct) -> None:
         module.fused, module.column_start = product, start
         module.__class__ = FusedMemberLinear
         start += module.out_features
+
+
+# ---------------------------------------------------------------- packed in place (precision morphing)
+# A morphing instance swaps each decoder layer's bytes in and out of its fp range of the weights arena (morph/
+# layer_swapper.py), so its fp weights cannot move into oneDNN's own allocations. They need not: our kernel reads
+# the packed layout from any address, and for shapes it reads the layout is a permutation of the plain weight's
+# bytes (native/decode_gemm.packed_layout). Rewritten in place, before the morph store captures each fp range's
+# image, a restored layer gets the packed bytes back at the same addresses; memory does not change.
+
+def packs_in_place(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether an [out, in] `dtype` weight can be rewritten in place into the layout native/decode_gemm.c reads."""
+    return dtype in (torch.float32, torch.bfloat16) and reads_packed(out_features, in_features, dtype,
+                                                                     PACK_BATCH_HINT)
+
+
+@torch.no_grad()
+def _permute_in_place(weight: torch.Tensor) -> DirectProduct:
+    """Rewrite a contiguous [out, in] weight's own bytes into the kernel's layout; the handle reads them there."""
+    flat = weight.view(-1)
+    flat.copy_(packed_layout(weight))   # packed_layout permutes into a new tensor first: no aliasing
+    return DirectProduct(flat, weight.dtype, weight.shape[0])
+
+
+def pack_linear_in_place(module: nn.Linear) -> None:
+    """Switch a plain CPU linear whose weight packs in place (packs_in_place) to PackedLinear over its own bytes."""
+    weight = module.weight.detach()
+    direct = _permute_in_place(weight)
+    if module.bias is not None and (module.bias.dtype != weight.dtype or not module.bias.is_contiguous()):
+        raise ValueError(f"a linear packed in place needs a contiguous {weight.dtype} bias, got {module.bias.dtype}")
+    module.packed_weight, module.direct = direct.packed, direct
+    module.__class__ = PackedLinear
+
+
+def pack_group_in_place(group: list[nn.Linear], stacked: torch.Tensor) -> None:
+    """Switch a stackable group (layers/stacked_linear.py) to FusedMemberLinear over one product whose weight is
+    `stacked`, the [sum(out), in] view over the members' back-to-back bytes, rewritten there into the packed layout."""
+    direct = _permute_in_place(stacked)
+    product = FusedProduct(direct.packed, None, len(group))
+    product.direct = direct
+    make_members(group, product)

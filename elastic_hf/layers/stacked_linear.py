@@ -8,8 +8,8 @@ Where it pays: on CUDA a batch-1 decode step is a chain of small kernels (504 fo
 docs/GPU.md), and the group's three (two) GEMMs become one. The members become FusedMemberLinear over a plain
 FusedProduct (layers/packed_linear.py): HF's forward calls q_proj, k_proj and v_proj in turn and each gets its
 column range of the one product; the fused decoder layer and the MLPs take the product whole. The plain weights
-stay what they were (views of the same bytes), so memory does not change. Like packing, it is for weights that
-never change after load (one worker, no morphing: EngineConfig.packed_weights)."""
+stay what they were (views of the same bytes), so memory does not change. Like packing, it is for one worker
+(EngineConfig.packed_weights); on a morphing CPU instance it takes the groups that could not pack in place."""
 from __future__ import annotations
 
 import torch

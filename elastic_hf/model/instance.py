@@ -184,7 +184,15 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     use_onednn_linears(loaded.hf_model)
     groups = loaded.adapter.fusion_groups(loaded.layers) if config.packs_weights else []
     if groups and device.type == "cpu" and packing_available():
-        num_packed = weights.pack_linears(loaded.hf_model, groups)
+        if config.morph.enabled:
+            # The decoder layers' bytes are swapped in and out of their arena ranges: packed there, in place (the
+            # morph store captures their fp images afterwards); the rest (the LM head) never changes.
+            num_in_place = weights.pack_layers_in_place(loaded.layers, groups)
+            log.info("%d decoder-layer linears on packed weights in their own arena bytes (precision morphing)",
+                     num_in_place)
+            num_packed = weights.pack_linears(loaded.hf_model, exclude=loaded.layers)
+        else:
+            num_packed = weights.pack_linears(loaded.hf_model, groups)
         log.info("%d linears on oneDNN prepacked weights (%s beyond the plain weights: tied tables)", num_packed,
                  format_bytes(weights.packed_extra_bytes))
     elif config.packed_weights == "on" and device.type == "cpu":

@@ -21,7 +21,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from elastic_hf.layers.packed_linear import fusable, pack_fused, pack_linear, takes_packing
+from elastic_hf.layers.packed_linear import (is_plain_cpu_linear, fusable, pack_fused, pack_group_in_place,
+                                             pack_linear, pack_linear_in_place, packs_in_place, takes_packing)
 from elastic_hf.layers.quant_linear import is_quant_linear
 from elastic_hf.layers.stacked_linear import stack_fused, stackable
 from elastic_hf.memory import MemoryBudget, create_arena
@@ -197,16 +198,19 @@ class PlacedWeights:
         return self.placement.committed_bytes + self.packed_extra_bytes
 
     @torch.no_grad()
-    def pack_linears(self, model: nn.Module, fusion_groups: list[list[nn.Module]] = ()) -> int:
+    def pack_linears(self, model: nn.Module, fusion_groups: list[list[nn.Module]] = (),
+                     exclude: nn.Module | None = None) -> int:
         """Switch every packable linear of `model` to oneDNN's prepacked layout (layers/packed_linear.py), decommit
         the arena pages that only packed weights covered, and charge the packed bytes to the ledger. A weight
         another module also reads (a tied LM head's embedding table) keeps its pages; its packed copy is extra.
         The plain weights that gave their pages back become meta tensors, so a stray read fails instead of
         silently faulting in zero pages. Each of `fusion_groups` that can (linears reading one input: q/k/v,
-        gate/up) becomes one stacked packed weight and one GEMM. Returns how many linears were packed."""
+        gate/up) becomes one stacked packed weight and one GEMM. Linears inside `exclude` (a morphing instance's
+        decoder layers, packed in place instead) stay as they are. Returns how many linears were packed."""
         groups = [g for g in fusion_groups if fusable(g)]
         fused = {id(m) for g in groups for m in g}
-        linears = [m for m in model.modules() if id(m) in fused or takes_packing(m)]
+        excluded = {id(m) for m in exclude.modules()} if exclude is not None else set()
+        linears = [m for m in model.modules() if id(m) in fused or (id(m) not in excluded and takes_packing(m))]
         packed = {id(m) for m in linears}
         shared = {id(p) for m in model.modules() if id(m) not in packed for p in m.parameters(recurse=False)}
         base = self.arena.view(0, (1,), torch.uint8).data_ptr()
@@ -228,6 +232,34 @@ class PlacedWeights:
         self.arena.budget.charge(self.arena.owner, charged)   # after the release: a sized budget nets out
         self.packed_extra_bytes += charged - (before - self.arena.committed_bytes)
         return len(linears)
+
+    def pack_layers_in_place(self, layers: nn.ModuleList, fusion_groups: list[list[nn.Module]]) -> int:
+        """A morphing instance's decoder-layer linears on packed weights without moving them (layers/packed_linear.py,
+        "packed in place"): each stackable group (q/k/v, gate/up) and each other linear whose shape the native
+        kernel reads gets its own arena bytes rewritten into the packed layout. Run before the morph store captures
+        the fp images, so a restored layer gets the packed bytes back. The plain weights become meta tensors (a
+        stray read of the permuted bytes as [out, in] would be silent garbage). Returns how many linears."""
+        base = self.arena.view(0, (1,), torch.uint8).data_ptr()
+        done: set[int] = set()
+        for group in fusion_groups:
+            if not stackable(group) or not packs_in_place(sum(m.out_features for m in group), group[0].in_features,
+                                                          group[0].weight.dtype):
+                continue
+            first = group[0].weight
+            shape = (sum(m.out_features for m in group), first.shape[1])   # [sum(out), in]
+            pack_group_in_place(group, self.arena.view(first.data_ptr() - base, shape, first.dtype))
+            done.update(id(m) for m in group)
+        for module in layers.modules():
+            if (id(module) not in done and is_plain_cpu_linear(module) and module.weight.is_contiguous()
+                    and packs_in_place(module.out_features, module.in_features, module.weight.dtype)
+                    and (module.bias is None or module.bias.dtype == module.weight.dtype)):
+                pack_linear_in_place(module)
+                done.add(id(module))
+        for module in layers.modules():
+            if id(module) in done:
+                module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,
+                                                         device="meta"), requires_grad=False)
+        return len(done)
 
     def stack_linears(self, fusion_groups: list[list[nn.Module]]) -> int:
         """Each of `fusion_groups` whose weights lie back to back in this arena (layers/stacked_linear.py) runs as

@@ -10,7 +10,8 @@ from torch import nn
 from elastic_hf import ElasticModel
 from elastic_hf.config import EngineConfig
 from elastic_hf.layers.packed_linear import (FusedMemberLinear, PackedLinear, bf16_packing_available, fusable,
-                                             pack_fused, pack_linear, packing_available, takes_packing)
+                                             pack_fused, pack_group_in_place, pack_linear, pack_linear_in_place,
+                                             packing_available, packs_in_place, takes_packing)
 from elastic_hf.model.loader import load_hf_model
 from elastic_hf.native.decode_gemm import decode_gemm_available
 from elastic_hf.parallel.worker import rss_anon_bytes
@@ -218,11 +219,59 @@ def test_packing_gives_the_plain_pages_back_to_the_os(checkpoints):
 def test_deployments_whose_weights_change_never_pack():
     assert EngineConfig().packs_weights
     assert not EngineConfig(num_workers=2).packs_weights
-    assert not EngineConfig(morph="manual").packs_weights
+    assert EngineConfig(morph="manual").packs_weights   # on the CPU: packed in their own arena bytes
     assert not EngineConfig(packed_weights="off").packs_weights
     with pytest.raises(ValueError, match="num_workers is 2"):
         EngineConfig(num_workers=2, packed_weights="on")
-    with pytest.raises(ValueError, match="morph='manual'"):
-        EngineConfig(morph="manual", packed_weights="on")
+    with pytest.raises(ValueError, match="morph='manual' on cuda"):
+        EngineConfig(morph="manual", packed_weights="on", device="cuda")
     with pytest.raises(ValueError, match=r"packed_weights must be one of \('auto', 'on', 'off'\), got 'yes'"):
         EngineConfig(packed_weights="yes")
+
+
+needs_decode_gemm = pytest.mark.skipif(not decode_gemm_available(torch.float32),
+                                       reason="no native decode GEMM on this CPU (AVX-512)")
+
+
+@needs_decode_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_packed_in_place_keeps_its_bytes_where_they_were_and_gives_f_linears_results(dtype):
+    """A morphing instance's layers pack in their own bytes: same address, same byte count, every row count through
+    the native kernel (no oneDNN tensor behind it), results as F.linear's; a stacked group likewise."""
+    torch.manual_seed(5)
+    linear = nn.Linear(576, 1536, bias=True).to(dtype)
+    reference = nn.Linear(576, 1536, bias=True).to(dtype)
+    reference.load_state_dict(linear.state_dict())
+    address, nbytes = linear.weight.data_ptr(), linear.weight.numel() * linear.weight.element_size()
+    assert packs_in_place(1536, 576, dtype)
+    pack_linear_in_place(linear)
+    assert type(linear) is PackedLinear and linear.direct.in_arena
+    assert linear.packed_weight.data_ptr() == address and linear.direct.weight_ptr == address
+    assert linear.packed_weight.numel() * linear.packed_weight.element_size() == nbytes
+    assert not torch.equal(linear.weight, reference.weight)   # the bytes were permuted, not copied elsewhere
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (1, 7, 64, 300):   # 300 fp32 rows: oneDNN's range for a oneDNN-packed weight, ours here
+        x = torch.randn(rows, 576).to(dtype)
+        expected = reference(x)
+        assert (linear(x) - expected).abs().max() <= tolerance * expected.abs().max(), rows
+    with pytest.raises(TypeError, match="packed in the weights arena multiplies"):
+        linear(torch.randn(2, 576).to(torch.float16))
+
+    # a group over back-to-back bytes: q/k/v as one product, each member its own columns
+    stacked = torch.randn(576 + 192 + 192, 576).to(dtype)           # [q | k | v rows, in]
+    plain = stacked.clone()
+    members = [nn.Linear(576, n, bias=False).to(dtype) for n in (576, 192, 192)]
+    for m, rows in zip(members, stacked.split([576, 192, 192])):
+        m.weight = nn.Parameter(rows, requires_grad=False)
+    pack_group_in_place(members, stacked)
+    assert all(type(m) is FusedMemberLinear for m in members)
+    assert members[0].fused.direct.in_arena and members[0].fused.direct.weight_ptr == stacked.data_ptr()
+    x = torch.randn(1, 5, 576).to(dtype)
+    for m, rows in zip(members, plain.split([576, 192, 192])):
+        expected = nn.functional.linear(x, rows)
+        assert (m(x) - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+def test_packing_in_place_refuses_shapes_the_kernel_cannot_read():
+    assert not packs_in_place(100, 576, torch.float32)          # outputs not in whole 64-blocks
+    assert not packs_in_place(576, 576, torch.float16)

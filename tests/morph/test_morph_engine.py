@@ -10,7 +10,7 @@ import torch
 
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.memory import process_rss_bytes
-from morph_helpers import FAST_CONTROLLER, assert_bit_identical, snapshot, tiny_morph_model
+from morph_helpers import FAST_CONTROLLER, assert_bit_identical, snapshot, tiny_morph_model, weights_read
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -147,12 +147,12 @@ def test_forced_morphs_never_touch_running_requests(tiny_checkpoint):
         layers = sorted(rng.sample(range(3), rng.randint(1, 3)))
         precision = rng.choice(precisions)
         untouched = {n: p.detach().clone() for i in set(range(3)) - set(layers)
-                     for n, p in model.worker.loaded.layers[i].named_parameters()}
+                     for n, p in weights_read(model.worker.loaded.layers[i]).items()}
         model.morph.to_precision(layers, precision)
         for b, data in kv_before.items():
             assert torch.equal(rows[b * rows_per_block:(b + 1) * rows_per_block], data), f"KV block {b} changed"
         remaining = {n: p for i in set(range(3)) - set(layers)
-                     for n, p in model.worker.loaded.layers[i].named_parameters()}
+                     for n, p in weights_read(model.worker.loaded.layers[i]).items()}
         for name, value in untouched.items():
             assert torch.equal(remaining[name], value)
         assert engine.scheduler.kv.num_used == sum(len(s.block_ids) for s in engine.scheduler.running)
