@@ -30,7 +30,10 @@
 
 #include "bf16.h"
 
-#define ROW_CHUNK 256           /* rows of x widened and multiplied per pass: bounds the bf16 scratch at 256 x K */
+#define ROW_CHUNK 128           /* rows of x widened and multiplied per pass: bounds the bf16 scratch at 128 x K;
+                                 * a 64-deep K chunk of 128 fp32 rows (32 KiB) stays in L1 beside its 16 KiB of
+                                 * weight (256 rows did not): default model at 512 rows, ours / oneDNN, fp32
+                                 * 0.88-0.92 -> 0.92-0.95, bf16 1.57 -> 1.61-1.63 (benchmarks/decode_gemm.py) */
 #define ROW_TILE 6
 #define STRIPS_PER_BLOCK 4       /* 64 outputs a block, 16 a strip */
 /* K tiles per chunk when several row tiles share the weight (see DEFINE_STRIPS): fp32 in 16 KiB chunks that stay in
@@ -229,7 +232,7 @@ DEFINE_STRIPS(strips_bf16, tile_bf16, uint16_t, float, uint16_t, 32, K_CHUNK_TIL
 
 #include <omp.h>
 
-/* This OpenMP thread's fp32 sums between K chunks: ROW_CHUNK rows x 64 outputs (64 KiB), allocated on first use and
+/* This OpenMP thread's fp32 sums between K chunks: ROW_CHUNK rows x 64 outputs (32 KiB), allocated on first use and
  * kept for the thread's life; NULL if that allocation failed. */
 static float *partial_sums(void)
 {
