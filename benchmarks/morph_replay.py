@@ -15,6 +15,7 @@ ppl(all) - ppl(0); `morph_quality_kept` = 1 - (morph's token-weighted loss) / (s
 
     python benchmarks/morph_replay.py [--weight-share 0.5,0.3 | --kv-blocks 16] [--runs 3 --num-requests 48
                                       --rate 1.5 --plot out/benchmarks/morph_replay.png]
+    python benchmarks/morph_replay.py --trace conv --max-output-tokens 512 --rate 2   # decode-heavy
 
 Prints per regime a table and `RESULT morph_p95_ttft_gain_ws50`, `..._min/_max`, `morph_fp_kv_wait_share_ws50`,
 `morph_quality_kept_ws50`, `morph_quality_vs_static_w4_ws50`, `static_w4_p95_ttft_gain_ws50` (ws30 likewise)."""
@@ -34,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import InProcessServer, machine_description, result_path  # noqa: E402
 from regime import (add_weight_share_arg, kv_bytes_for_share, measured_weights_bytes, median_spread,  # noqa: E402
                     parse_weight_shares, share_label)
-from replay import (TRACE_NAME, TraceScale, build_requests, load_trace, run_replay, scale_trace,  # noqa: E402
-                    time_scale_for_rate)
+from replay import (TraceScale, build_requests, load_trace, run_replay, scale_trace, time_scale_for_rate,  # noqa: E402
+                    trace_path)
 
 
 class Recorder:
@@ -217,6 +218,9 @@ def report_regime(args, kinds: list[str], runs, curve: dict[int, float], suffix:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default="code", help="code (prefill-heavy, the default) or conv (decode-heavy with "
+                    "--max-output-tokens 512; on a 2-core CPU its KV demand still stays well below the cache at "
+                    "the rates the compute keeps up with: benchmarks/RESULTS.md, session 50)")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--rate", type=float, default=1.5, help="mean arrival rate after time scaling (req/s)")
@@ -249,20 +253,22 @@ def main(argv=None) -> int:
     if args.runs < 1:
         ap.error(f"--runs must be >= 1, got {args.runs}")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir)
-    rows = load_trace(None, start=args.start, num_requests=args.num_requests)
+    rows = load_trace(args.trace, start=args.start, num_requests=args.num_requests)
     scale = TraceScale(time_scale_for_rate(rows, args.rate), args.prompt_scale, 1.0, args.max_prompt_tokens,
                        args.max_output_tokens)
     requests = build_requests(scale_trace(rows, scale), tokenizer)
-    block_bytes = 30 * 3 * 2 * 16 * 64 * 4   # SmolLM2-135M fp32: layers x kv heads x K/V x tokens x head_dim x 4 B
+    # a probe of the fp server: the weights' bytes, the KV block's bytes and the dtype the default model loads in
+    probe = load_model("fp", 64 << 20, 256, args.device)
+    report = probe.memory_report()
+    block_bytes, dtype = report["kv_block_bytes"], probe.config.dtype
+    weights = measured_weights_bytes(probe)
+    probe.close()
     print(f"machine: {machine_description()}, device {args.device}, load average {os.getloadavg()[0]:.1f}")
-    print(f"trace: {TRACE_NAME} rows {args.start}..{args.start + len(rows) - 1}; scale: {scale.describe()}; "
+    print(f"trace: {trace_path(args.trace).name} rows {args.start}..{args.start + len(rows) - 1}; scale: {scale.describe()}; "
           f"{len(requests)} requests at {args.rate} req/s")
     if args.kv_blocks is not None:
         regimes = [("", args.kv_blocks * block_bytes, f"fp KV cache {args.kv_blocks} blocks")]
     else:
-        probe = load_model("fp", 32 * block_bytes, 256, args.device)   # room for max_model_len=256 in any dtype
-        weights = measured_weights_bytes(probe)
-        probe.close()
         regimes = [(f"_{share_label(share)}", kv_bytes_for_share(weights, share),
                     f"weights {share:.0%} of the instance's memory")
                    for share in parse_weight_shares(args.weight_share)]
@@ -272,7 +278,7 @@ def main(argv=None) -> int:
           + ", ".join(f"k={k}: {v:.3f}" for k, v in curve.items()))
     for suffix, kv_bytes, label in regimes:
         num_blocks = kv_bytes // block_bytes
-        print(f"\n=== regime: {label}: SmolLM2-135M-Instruct fp32, fp KV cache {kv_bytes / 2**20:.0f} MiB "
+        print(f"\n=== regime: {label}: SmolLM2-135M-Instruct {dtype}, fp KV cache {kv_bytes / 2**20:.0f} MiB "
               f"({num_blocks} blocks x 16 tokens); the same budget for every server")
         runs = replay_regime(args, kinds, requests, kv_bytes, min(2048, max(256, num_blocks * 16)))
         plot_path = args.plot if not suffix else str(Path(args.plot).with_stem(Path(args.plot).stem + suffix))
