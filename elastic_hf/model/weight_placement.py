@@ -71,6 +71,12 @@ def param_groups(model: nn.Module, layers: nn.ModuleList) -> tuple[list[nn.Param
 
 
 TENSOR_ALIGNMENT = 64  # every tensor starts on a cache line (and on any dtype's itemsize)
+# A morphing instance's layers are read in place, packed (PlacedWeights.pack_layers_in_place), and its fp regions
+# start on a page: every tensor of a layer then starts on a page too (their sizes are multiples of 4 KiB), and
+# native/decode_gemm.c streams page-aligned weights 8-10 % slower than the same bytes at any other page offset (the
+# default model's packed linears at 16 bf16 rows, 2 threads: 18.4-19.1 ms page-aligned vs 16.5-17.4 ms at offsets
+# 64, 1088 or 2048; session 50, benchmarks/RESULTS.md). Its fp regions therefore start their first tensor this far in.
+MORPH_REGION_SKEW = 2048
 
 
 def param_range_bytes(params: list[nn.Parameter]) -> int:
@@ -92,18 +98,20 @@ def weights_capacity_bytes(model: nn.Module, layers: nn.ModuleList, page_size: i
     slot_bytes[i] maps a precision name to the payload bytes of layer i's variant."""
     shared_params, layer_params = param_groups(model, layers)
     total = _round_up(param_range_bytes(shared_params), page_size)
+    skew = MORPH_REGION_SKEW if slot_bytes is not None else 0
     for i, params in enumerate(layer_params):
         total += _slot_extent(slot_bytes[i] if slot_bytes else None, page_size)
-        total += _round_up(param_range_bytes(params), page_size)
+        total += _round_up(skew + param_range_bytes(params), page_size)
     return total
 
 
-def place_params(params: list[nn.Parameter], arena: PageArena, offset: int) -> ArenaRange:
-    """Commit a page-rounded range at `offset` and make `params` zero-copy views of it (their values copied)."""
-    payload = param_range_bytes(params)
+def place_params(params: list[nn.Parameter], arena: PageArena, offset: int, skew: int = 0) -> ArenaRange:
+    """Commit a page-rounded range at `offset` and make `params` zero-copy views of it (their values copied), the
+    first `skew` bytes in (zeros, part of the range's payload)."""
+    payload = skew + param_range_bytes(params)
     nbytes = _round_up(payload, arena.page_size)
     arena.commit(offset, nbytes)
-    cursor = offset
+    cursor = offset + skew
     for p in params:
         view = arena.view(cursor, tuple(p.shape), p.dtype)
         view.copy_(p.data)
@@ -127,7 +135,7 @@ def place_weights(model: nn.Module, layers: nn.ModuleList, arena: PageArena,
             extent = _round_up(payload, arena.page_size)
             slots[precision] = ArenaRange(offset, extent, payload)  # reserved, not committed
             offset += extent
-        r = place_params(params, arena, offset)
+        r = place_params(params, arena, offset, MORPH_REGION_SKEW if slot_bytes is not None else 0)
         placement.layers.append(r)
         placement.slots.append(slots)
         offset += r.nbytes
