@@ -106,10 +106,10 @@ def direct_product(packed: torch.Tensor, out_features: int, in_features: int, dt
 def takes_packing(module: nn.Module) -> bool:
     """A plain (or oneDNN) CPU linear in bf16, or in fp32 when large enough for oneDNN to win at all (the rule of
     layers/cpu_gemm.py); quantized, sharded, fp16 and GPU linears keep their own kernels."""
-    return is_plain_cpu_linear(module) and _packs(module.weight.dtype, module.weight.numel())
+    return _is_plain_cpu_linear(module) and _packs(module.weight.dtype, module.weight.numel())
 
 
-def is_plain_cpu_linear(module: nn.Module) -> bool:
+def _is_plain_cpu_linear(module: nn.Module) -> bool:
     return type(module) in (nn.Linear, OneDnnLinear) and module.weight.device.type == "cpu"
 
 
@@ -198,7 +198,7 @@ def fusable(group: list[nn.Module]) -> bool:
     """Members that can share one GEMM: plain CPU linears of one dtype and input size, all with a bias or none,
     whose stacked weight packs (in fp32 the rule is on the stacked size: small K/V projections join q's)."""
     first = group[0]
-    return (len(group) > 1 and all(is_plain_cpu_linear(m) for m in group)
+    return (len(group) > 1 and all(_is_plain_cpu_linear(m) for m in group)
             and all(m.weight.dtype == first.weight.dtype and m.in_features == first.in_features for m in group)
             and len({m.bias is None for m in group}) == 1
             and _packs(first.weight.dtype, sum(m.weight.numel() for m in group)))
@@ -249,12 +249,22 @@ def _permute_in_place(weight: torch.Tensor) -> DirectProduct:
     return DirectProduct(flat, weight.dtype, weight.shape[0])
 
 
+def takes_packing_in_place(module: nn.Module) -> bool:
+    """A plain CPU linear with a contiguous weight the kernel reads in place (packs_in_place) and no bias or a
+    contiguous one of the weight's dtype (the kernel adds it)."""
+    if not (_is_plain_cpu_linear(module) and module.weight.is_contiguous()
+            and packs_in_place(module.out_features, module.in_features, module.weight.dtype)):
+        return False
+    bias = module.bias
+    return bias is None or (bias.dtype == module.weight.dtype and bias.is_contiguous())
+
+
 def pack_linear_in_place(module: nn.Linear) -> None:
-    """Switch a plain CPU linear whose weight packs in place (packs_in_place) to PackedLinear over its own bytes."""
-    weight = module.weight.detach()
-    direct = _permute_in_place(weight)
-    if module.bias is not None and (module.bias.dtype != weight.dtype or not module.bias.is_contiguous()):
-        raise ValueError(f"a linear packed in place needs a contiguous {weight.dtype} bias, got {module.bias.dtype}")
+    """Switch a linear that takes packing in place (takes_packing_in_place) to PackedLinear over its own bytes."""
+    if not takes_packing_in_place(module):
+        raise ValueError(f"{type(module).__name__} [{module.out_features}, {module.in_features}] "
+                         f"{module.weight.dtype} cannot be packed in place")
+    direct = _permute_in_place(module.weight.detach())
     module.packed_weight, module.direct = direct.packed, direct
     module.__class__ = PackedLinear
 

@@ -21,8 +21,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from elastic_hf.layers.packed_linear import (is_plain_cpu_linear, fusable, pack_fused, pack_group_in_place,
-                                             pack_linear, pack_linear_in_place, packs_in_place, takes_packing)
+from elastic_hf.layers.packed_linear import (fusable, pack_fused, pack_group_in_place, pack_linear,
+                                             pack_linear_in_place, packs_in_place, takes_packing,
+                                             takes_packing_in_place)
 from elastic_hf.layers.quant_linear import is_quant_linear
 from elastic_hf.layers.stacked_linear import stack_fused, stackable
 from elastic_hf.memory import MemoryBudget, create_arena
@@ -79,6 +80,11 @@ TENSOR_ALIGNMENT = 64  # every tensor starts on a cache line (and on any dtype's
 MORPH_REGION_SKEW = 2048
 
 
+def _region_skew(slot_bytes: list[dict[str, int]] | None) -> int:
+    """Where a layer's fp region puts its first tensor: MORPH_REGION_SKEW in a morphing instance (quant slots)."""
+    return MORPH_REGION_SKEW if slot_bytes is not None else 0
+
+
 def param_range_bytes(params: list[nn.Parameter]) -> int:
     """Bytes of `params` packed back to back at TENSOR_ALIGNMENT."""
     return sum(round_up(p.numel() * p.element_size(), TENSOR_ALIGNMENT) for p in params)
@@ -98,7 +104,7 @@ def weights_capacity_bytes(model: nn.Module, layers: nn.ModuleList, page_size: i
     slot_bytes[i] maps a precision name to the payload bytes of layer i's variant."""
     shared_params, layer_params = param_groups(model, layers)
     total = _round_up(param_range_bytes(shared_params), page_size)
-    skew = MORPH_REGION_SKEW if slot_bytes is not None else 0
+    skew = _region_skew(slot_bytes)
     for i, params in enumerate(layer_params):
         total += _slot_extent(slot_bytes[i] if slot_bytes else None, page_size)
         total += _round_up(skew + param_range_bytes(params), page_size)
@@ -135,7 +141,7 @@ def place_weights(model: nn.Module, layers: nn.ModuleList, arena: PageArena,
             extent = _round_up(payload, arena.page_size)
             slots[precision] = ArenaRange(offset, extent, payload)  # reserved, not committed
             offset += extent
-        r = place_params(params, arena, offset, MORPH_REGION_SKEW if slot_bytes is not None else 0)
+        r = place_params(params, arena, offset, _region_skew(slot_bytes))
         placement.layers.append(r)
         placement.slots.append(slots)
         offset += r.nbytes
@@ -247,20 +253,15 @@ class PlacedWeights:
         kernel reads gets its own arena bytes rewritten into the packed layout. Run before the morph store captures
         the fp images, so a restored layer gets the packed bytes back. The plain weights become meta tensors (a
         stray read of the permuted bytes as [out, in] would be silent garbage). Returns how many linears."""
-        base = self.arena.view(0, (1,), torch.uint8).data_ptr()
         done: set[int] = set()
         for group in fusion_groups:
             if not stackable(group) or not packs_in_place(sum(m.out_features for m in group), group[0].in_features,
                                                           group[0].weight.dtype):
                 continue
-            first = group[0].weight
-            shape = (sum(m.out_features for m in group), first.shape[1])   # [sum(out), in]
-            pack_group_in_place(group, self.arena.view(first.data_ptr() - base, shape, first.dtype))
+            pack_group_in_place(group, self._stacked_view(group))
             done.update(id(m) for m in group)
         for module in layers.modules():
-            if (id(module) not in done and is_plain_cpu_linear(module) and module.weight.is_contiguous()
-                    and packs_in_place(module.out_features, module.in_features, module.weight.dtype)
-                    and (module.bias is None or module.bias.dtype == module.weight.dtype)):
+            if id(module) not in done and takes_packing_in_place(module):
                 pack_linear_in_place(module)
                 done.add(id(module))
         for module in layers.modules():
@@ -272,16 +273,20 @@ class PlacedWeights:
     def stack_linears(self, fusion_groups: list[list[nn.Module]]) -> int:
         """Each of `fusion_groups` whose weights lie back to back in this arena (layers/stacked_linear.py) runs as
         one GEMM over a view spanning them: no copy, no memory change. Returns how many groups."""
-        base = self.arena.view(0, (1,), torch.uint8).data_ptr()
         stacked = 0
         for group in fusion_groups:
             if not stackable(group):
                 continue
-            first = group[0].weight
-            shape = (sum(m.out_features for m in group), first.shape[1])   # [sum(out), in]
-            stack_fused(group, self.arena.view(first.data_ptr() - base, shape, first.dtype))
+            stack_fused(group, self._stacked_view(group))
             stacked += 1
         return stacked
+
+    def _stacked_view(self, group: list[nn.Module]) -> torch.Tensor:
+        """[sum(out), in] arena view over a stackable group's back-to-back weights, from the first member's byte."""
+        first = group[0].weight
+        base = self.arena.view(0, (1,), torch.uint8).data_ptr()
+        return self.arena.view(first.data_ptr() - base, (sum(m.out_features for m in group), first.shape[1]),
+                               first.dtype)
 
     def fp_region(self, layer: int) -> ArenaRange:
         return self.placement.layers[layer]
