@@ -161,7 +161,7 @@ class EngineConfig:
     page_size: int | None = None         # arena page; None: the backend's (OS page on CPU, 2 MiB on CUDA)
     # CPU linears on oneDNN prepacked weights (layers/packed_linear.py); on CUDA each layer's q/k/v and gate/up as
     # one GEMM over their stacked weights (layers/stacked_linear.py): auto | on | off. auto: on where it can be
-    # (one worker; morphing: CPU only, its layers packed in their own arena bytes), off elsewhere.
+    # (CUDA: one worker, no morphing; CPU shards and morphing layers: packed in their own arena bytes).
     packed_weights: str = "auto"
     # Llama-formula decoder layers (Llama, Qwen2, Mistral) run as one flat forward of ours on HF's own modules
     # (layers/fused_decoder_layer.py): auto, on the CPU; on: on every device (CUDA: eager steps and captures);
@@ -328,8 +328,8 @@ class EngineConfig:
         """Why this deployment cannot pack its linears' weights, or None when it can."""
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             return f"device is {self.device!r} (packing is for CPU oneDNN kernels, stacking for CUDA)"
-        if self.num_workers != 1:
-            return f"num_workers is {self.num_workers} (TP shards and pipeline stages are re-cut by reshapes)"
+        if self.device.split(":")[0] != "cpu" and self.num_workers != 1:   # the CPU packs shard chunks in place
+            return f"num_workers is {self.num_workers} on {self.device} (reshapes re-cut TP shards and stages)"
         if self.morph.enabled and self.device.split(":")[0] != "cpu":   # the CPU packs them in the arena
             return f"morph={self.morph.mode!r} on {self.device} (precision morphing swaps the weights)"
         return None

@@ -46,6 +46,7 @@ SLOW_PREFIXES = (
     "tests/parallel/test_ray_executor.py::test_two_node", "tests/parallel/test_ray_executor.py::test_a_node_lost",
     "tests/parallel/test_ray_executor.py::test_a_local_ray", "tests/parallel/test_cross_step_pipeline.py",
     "tests/parallel/test_overload_hover.py", "tests/serving/test_overload_http.py",
+    "tests/parallel/test_packed_shards.py",
     # the two slowest single-process tests (15 s each on 2 cores): a pip install of the package, a load generator
     "tests/test_standalone.py::test_profile_without_calib",
     "tests/engine/test_cuda_engine_paths.py::test_kv_cache_grows_under_load_and_shrinks_back",

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from elastic_hf.layers.packed_linear import FusedMemberLinear
+from elastic_hf.layers.shardable_linear import ShardableLinear
 
 # HF layer classes whose forward is exactly Llama's (pre-norm, q/k/v -> rotary -> attention -> o, SwiGLU MLP of
 # any kind behind `mlp`): the only ones switched.
@@ -63,15 +64,21 @@ class FusedDecoderLayer(nn.Module):
 
 
 def _qkv(attn: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v of the normed input: one GEMM when the three are members of one fused product (packed weights),
-    else each projection module as it is now (quantized, sharded)."""
+    """q, k, v of the normed input: one GEMM when the three are members of one fused product (packed weights, or
+    packed shards whose chunks lie back to back), else each projection module as it is now (quantized, sharded)."""
     q_proj = attn.q_proj
-    if isinstance(q_proj, FusedMemberLinear) and q_proj.fused.num_members == 3 and attn.k_proj.fused is q_proj.fused \
-            and attn.v_proj.fused is q_proj.fused:
-        qkv = q_proj.fused.product(h)                         # [1, T, q + k + v]
-        q_size, kv_size = q_proj.out_features, attn.k_proj.out_features
+    fused = getattr(q_proj, "fused", None)
+    if isinstance(q_proj, (FusedMemberLinear, ShardableLinear)) and fused is not None and fused.num_members == 3 \
+            and getattr(attn.k_proj, "fused", None) is fused and getattr(attn.v_proj, "fused", None) is fused:
+        qkv = fused.product(h)                                # [1, T, q + k + v] (of this shard)
+        q_size, kv_size = _width(q_proj), _width(attn.k_proj)
         return qkv[..., :q_size], qkv[..., q_size:q_size + kv_size], qkv[..., q_size + kv_size:]
     return q_proj(h), attn.k_proj(h), attn.v_proj(h)
+
+
+def _width(member: nn.Module) -> int:
+    """Columns a fused product's member reads: a shard's (heads of this TP rank), else the linear's out_features."""
+    return member.shard_width if isinstance(member, ShardableLinear) else member.out_features
 
 
 def fusable_layer(layer: nn.Module) -> bool:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from elastic_hf.layers.packed_linear import FusedMemberLinear
+from elastic_hf.layers.shardable_linear import ShardableLinear
 from elastic_hf.native import triton_elementwise
 from elastic_hf.native.fused_elementwise import native_elementwise_available, silu_and_mul
 
@@ -34,6 +35,23 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_proj.fused.product(x)           # [..., 2 * intermediate] = [gate | up]
         return self.down_proj(silu_and_mul(gate_up))        # [..., intermediate] -> [..., hidden]
+
+
+class ShardedSwiGLUMLP(nn.Module):
+    """A switched HF MLP over sharded linears (a TP / pipeline worker): gate and up share one product only while
+    their shards lie back to back (shardable_linear.fuse_shards, redone at every reshape), else HF's formula."""
+
+    gate_proj: ShardableLinear
+    up_proj: ShardableLinear
+    down_proj: nn.Module
+    act_fn: nn.Module
+    eager_class: type
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self.gate_proj.fused
+        if fused is not None and fused.num_members == 2 and self.up_proj.fused is fused:
+            return self.down_proj(silu_and_mul(fused.product(x)))   # [..., 2 * shard] -> [..., hidden]
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SplitSwiGLUMLP(nn.Module):
@@ -74,6 +92,14 @@ def swiglu_fusable(mlp: nn.Module, hidden_act: str | None) -> bool:
             and native_elementwise_available(gate.fused.packed_weight.dtype, torch.device("cpu")))
 
 
+def sharded_swiglu_fusable(mlp: nn.Module, hidden_act: str | None) -> bool:
+    """An HF MLP whose gate and up are packed CPU shards of one dtype (layers/shardable_linear.py), SiLU between."""
+    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+    return (isinstance(gate, ShardableLinear) and isinstance(up, ShardableLinear) and gate.packed and up.packed
+            and gate.dtype == up.dtype and hasattr(mlp, "down_proj") and _silu_between(mlp, hidden_act)
+            and native_elementwise_available(gate.dtype, torch.device("cpu")))
+
+
 def use_swiglu_mlps(mlps: list[nn.Module], hidden_act: str | None, device: torch.device | None = None) -> int:
     """Switch every fusable MLP in place (same module, same children): on the CPU those on one fused gate/up
     product, on CUDA those with gate and up linears. Returns how many."""
@@ -82,6 +108,8 @@ def use_swiglu_mlps(mlps: list[nn.Module], hidden_act: str | None, device: torch
     for mlp in mlps:
         if device.type == "cpu" and swiglu_fusable(mlp, hidden_act):
             cls = SwiGLUMLP
+        elif device.type == "cpu" and sharded_swiglu_fusable(mlp, hidden_act):
+            cls = ShardedSwiGLUMLP
         elif split_swiglu_fusable(mlp, hidden_act, device):
             cls = SplitSwiGLUMLP
         else:

@@ -26,6 +26,7 @@ from elastic_hf.layers.fused_decoder_layer import use_fused_layers
 from elastic_hf.layers.native_norm import use_native_norms
 from elastic_hf.layers.native_rotary import use_native_rotary
 from elastic_hf.layers.packed_linear import packing_available
+from elastic_hf.layers.packed_table import pack_head_in_place
 from elastic_hf.layers.swiglu_mlp import use_swiglu_mlps
 from elastic_hf.memory import MemoryBudget, create_arena, default_page_size, device_total_bytes
 from elastic_hf.memory.host_malloc import tune_host_malloc
@@ -34,7 +35,7 @@ from elastic_hf.model.awq_checkpoint import awq_quantization, load_awq_model
 from elastic_hf.model.loader import parse_dtype
 from elastic_hf.model.cuda_graph_runner import CudaGraphRunner
 from elastic_hf.model.runner import ModelRunner
-from elastic_hf.model.weight_placement import WeightLayout
+from elastic_hf.model.weight_placement import PlacedWeights, WeightLayout
 from elastic_hf.patches import ArchAdapter, get_adapter
 from elastic_hf.units import format_bytes, parse_memory_budget, round_up
 
@@ -182,7 +183,9 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
     # After any calibration (profiles and AWQ scales must not depend on the GEMM backend): oneDNN fp32 linears,
     # and prepacked weights where they never change after load (their bytes count before the KV is sized).
     use_onednn_linears(loaded.hf_model)
-    groups = loaded.adapter.fusion_groups(loaded.layers) if config.packs_weights else []
+    # (A TP / pipeline worker's sharded linears packed their chunks in place as they were placed.)
+    placed_whole = isinstance(weights, PlacedWeights)
+    groups = loaded.adapter.fusion_groups(loaded.layers) if config.packs_weights and placed_whole else []
     if groups and device.type == "cpu" and packing_available():
         if config.morph.enabled:
             # The decoder layers' bytes are swapped in and out of their arena ranges: packed there, in place (the
@@ -195,9 +198,11 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
             num_packed = weights.pack_linears(loaded.hf_model, groups)
         log.info("%d linears on oneDNN prepacked weights (%s beyond the plain weights: tied tables)", num_packed,
                  format_bytes(weights.packed_extra_bytes))
-    elif config.packed_weights == "on" and device.type == "cpu":
+    elif config.packed_weights == "on" and device.type == "cpu" and placed_whole:
         raise ValueError("packed_weights='on' needs oneDNN's weight reorder (torch.ops.mkldnn) and "
                          "ELASTIC_HF_CPU_GEMM unset or 'onednn'")
+    if config.packs_weights and device.type == "cpu" and not placed_whole and pack_head_in_place(loaded.hf_model):
+        log.info("the LM head (with its tied embedding table) on packed bytes in place")
     # What packing did not take (CUDA; bf16 on a CPU whose oneDNN cannot pack it) still runs q/k/v and gate/up as
     # one GEMM each, over a view of their back-to-back bytes.
     num_stacked = weights.stack_linears(groups) if groups else 0

@@ -49,7 +49,8 @@ class ModelRunner:
         self.attention = attention
         self.layer_attention = layer_attention or LayerAttention()
         self.stage_input_scale = stage_input_scale
-        self.device = next(model.parameters()).device
+        # (packed weights leave meta tensors where their plain Parameters were: a tied embedding table among them)
+        self.device = next(p.device for p in model.parameters() if not p.is_meta)
         self.stage_view: StageView | None = None
 
     @property

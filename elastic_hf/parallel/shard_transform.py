@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from elastic_hf.layers.shard_layout import COLUMN_KINDS, SHARDED_KINDS, ModelShardSpec, PaddedLayout
-from elastic_hf.layers.shardable_linear import ShardableLinear
+from elastic_hf.layers.shardable_linear import ShardableLinear, fuse_shards
 from elastic_hf.memory import MemoryBudget, create_arena
 from elastic_hf.model.weight_placement import ArenaRange, param_range_bytes, place_params
 from elastic_hf.parallel.weight_store import SharedWeightStore, linear_module_names
@@ -21,6 +21,7 @@ from elastic_hf.units import round_up
 
 ATTENTION_KINDS = ("q", "k", "v", "o")
 MLP_KINDS = ("gate", "up", "down")
+FUSED_KINDS = (("q", "k", "v"), ("gate", "up"))   # linears of one input: one product where their shards allow
 
 
 class ShardedWeights:
@@ -31,9 +32,11 @@ class ShardedWeights:
 
     def __init__(self, hf_model: nn.Module, adapter, spec: ModelShardSpec, budget: MemoryBudget,
                  device: torch.device, store: SharedWeightStore, tp: int | None, rank: int | None, group=None,
-                 slot_bytes: list[dict[str, int]] | None = None, layers: tuple[int, int] | None = None):
+                 slot_bytes: list[dict[str, int]] | None = None, layers: tuple[int, int] | None = None,
+                 packed: bool = False):
         """layers: [start, end) decoder layers this worker holds (a pipeline stage); None: all. The arena reserves
-        room for every layer; only held layers' chunks are committed."""
+        room for every layer; only held layers' chunks are committed. packed: the linears keep their chunks in the
+        native kernel's layout where their shapes allow (layers/shardable_linear.py); `num_packed` says how many."""
         self.adapter = adapter
         self.spec = spec
         self.store = store
@@ -77,7 +80,7 @@ class ShardedWeights:
                     mode = "column" if kind in COLUMN_KINDS else "row"
                     bias = old.bias.data if old.bias is not None else None
                     new = ShardableLinear(lay, mode, self.arena, offset, old.in_features, old.out_features,
-                                          old.weight.dtype, bias)
+                                          old.weight.dtype, bias, packed=packed)
                     held = layers is None or layers[0] <= layer_idx < layers[1]
                     if tp is not None and held:  # None: a worker starting in standby holds no shard
                         new.load(store.get(layer_idx, kind), lay.shard_chunks(tp, rank))  # the host store
@@ -88,6 +91,8 @@ class ShardedWeights:
                     offset += lay.nbytes
                 self.linears.append(built)
         self.tp, self.rank = tp, rank
+        self.num_packed = sum(lin.packed for per_layer in self.linears for lin in per_layer.values())
+        self.refresh_fusion()
 
     # ------------------------------------------------------------------ precision morphing (TP1 only)
     def fp_region(self, layer: int) -> ArenaRange:
@@ -129,6 +134,7 @@ class ShardedWeights:
                     loaded += sum(lin.layout.chunks[i].nbytes for i in missing)
                 lin.set_shard(tp, rank, group)
                 released += lin.release(sorted(lin.committed - set(own)))
+        self.refresh_fusion()
         return loaded, released
 
     def preload(self, tp: int, rank: int, layers: tuple[int, int]) -> int:
@@ -151,6 +157,7 @@ class ShardedWeights:
             for lin in self.linears[layer_idx].values():
                 lin.deactivate()
                 freed += lin.release(sorted(lin.committed))
+        self.refresh_fusion()
         return freed
 
     def set_role(self, tp: int, rank: int, group, layers: tuple[int, int]) -> tuple[int, int]:
@@ -171,7 +178,14 @@ class ShardedWeights:
             for lin in per_layer.values():
                 lin.deactivate()
                 freed += lin.release(sorted(lin.committed))
+        self.refresh_fusion()
         return freed
+
+    def refresh_fusion(self) -> int:
+        """Fuse each layer's q/k/v and gate/up products where their active shards allow it (fuse_shards), unfuse
+        them elsewhere; after every shard switch. Returns how many groups are fused."""
+        return sum(fuse_shards([per_layer[kind] for kind in kinds]) for per_layer in self.linears
+                   for kinds in FUSED_KINDS)
 
     def set_group(self, group) -> None:
         """Point every row-parallel layer at a new process group object (same ranks, e.g. after a snapshot
@@ -227,7 +241,7 @@ def gather_weights(weights: ShardedWeights, plan: list[tuple[int, str, int, int]
                 landed.append((lin, chunk))
                 received += buf.numel() * buf.element_size()
             elif sender == me:
-                buf = lin.chunk_buffer(chunk)
+                buf = lin.plain_chunk(chunk)   # plain rows on the wire: the receiver packs them if it packs
                 ops.append(dist.P2POp(dist.isend, buf, receiver))
                 sent += buf.numel() * buf.element_size()
         for work in dist.batch_isend_irecv(ops) if ops else []:

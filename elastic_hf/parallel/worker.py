@@ -118,8 +118,15 @@ class Worker:
             self.spec = ModelShardSpec(loaded.hf_config.hidden_size, loaded.hf_config.intermediate_size,
                                        loaded.num_heads, loaded.num_kv_heads, loaded.head_dim,
                                        torch.empty((), dtype=loaded.dtype).element_size(), page_size, self.degrees)
-            return ShardedWeights(loaded.hf_model, loaded.adapter, self.spec, budget, self.device, store, tp, rank,
-                                  group, slot_bytes, layers)
+            packed = self.config.packs_weights and self.device.type == "cpu"
+            weights = ShardedWeights(loaded.hf_model, loaded.adapter, self.spec, budget, self.device, store, tp,
+                                     rank, group, slot_bytes, layers, packed=packed)
+            if self.config.packed_weights == "on" and not weights.num_packed:
+                raise ValueError(f"packed_weights='on': no sharded linear of this {loaded.dtype} model packs "
+                                 f"(native/decode_gemm.c off, not built for this CPU, or shapes not in 64-row blocks)")
+            if packed:
+                log.info("%d sharded linears keep their chunks packed for the native kernel", weights.num_packed)
+            return weights
         return place
 
     def layer_range(self, topology: Topology | None = None) -> tuple[int, int] | None:
@@ -286,6 +293,8 @@ class Worker:
                   "topology": str(self.topology), "layers": self.layer_range()}
         if self.morph is not None:
             report["layer_store"] = self.morph.store.report()
+        if self.is_sharded:
+            report["packed_linears"] = self.weights.num_packed
         return report
 
     def rejoin(self, rendezvous) -> None:

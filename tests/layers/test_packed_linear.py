@@ -216,13 +216,14 @@ def test_packing_gives_the_plain_pages_back_to_the_os(checkpoints):
         assert 0 <= model.memory_report()["weights_bytes"] - ledger <= 8 * weights.arena.page_size
 
 
-def test_deployments_whose_weights_change_never_pack():
+def test_which_deployments_pack():
     assert EngineConfig().packs_weights
-    assert not EngineConfig(num_workers=2).packs_weights
+    assert EngineConfig(num_workers=2).packs_weights      # on the CPU: shard chunks packed in their own bytes
+    assert not EngineConfig(num_workers=2, device="cuda").packs_weights
     assert EngineConfig(morph="manual").packs_weights   # on the CPU: packed in their own arena bytes
     assert not EngineConfig(packed_weights="off").packs_weights
-    with pytest.raises(ValueError, match="num_workers is 2"):
-        EngineConfig(num_workers=2, packed_weights="on")
+    with pytest.raises(ValueError, match="num_workers is 2 on cuda"):
+        EngineConfig(num_workers=2, packed_weights="on", device="cuda")
     with pytest.raises(ValueError, match="morph='manual' on cuda"):
         EngineConfig(morph="manual", packed_weights="on", device="cuda")
     with pytest.raises(ValueError, match=r"packed_weights must be one of \('auto', 'on', 'off'\), got 'yes'"):
