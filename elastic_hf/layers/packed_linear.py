@@ -259,6 +259,12 @@ def takes_packing_in_place(module: nn.Module) -> bool:
     return bias is None or (bias.dtype == module.weight.dtype and bias.is_contiguous())
 
 
+def meta_parameter(weight: torch.Tensor) -> nn.Parameter:
+    """A meta Parameter of `weight`'s shape and dtype: what a packed linear keeps where its plain weight was, so a
+    stray read of the plain weight fails instead of reading permuted bytes or pages given back."""
+    return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
+
+
 def pack_linear_in_place(module: nn.Linear) -> None:
     """Switch a linear that takes packing in place (takes_packing_in_place) to PackedLinear over its own bytes."""
     if not takes_packing_in_place(module):

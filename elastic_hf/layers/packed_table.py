@@ -14,9 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from elastic_hf.layers.packed_linear import (
-    PackedLinear, _is_plain_cpu_linear, _permute_in_place, pack_linear_in_place, packs_in_place,
-    takes_packing_in_place)
+from elastic_hf.layers.packed_linear import meta_parameter, pack_linear_in_place, takes_packing_in_place
 from elastic_hf.native.decode_gemm import packed_rows
 
 
@@ -37,34 +35,21 @@ def _plain_embedding(module: nn.Module) -> bool:
     return type(module) is nn.Embedding and module.max_norm is None
 
 
-@torch.no_grad()
 def pack_head_in_place(model: nn.Module) -> bool:
     """Switch `model`'s CPU LM head (and, when tied, its input embedding) to the packed layout in the head's own
-    bytes; their `weight` Parameters become meta tensors. False (nothing changed) where the kernel cannot read the
-    head's shape or dtype, the head has a bias, or a tied table's embedding is not a plain nn.Embedding."""
+    bytes; their `weight` Parameters become meta tensors. False (nothing changed) where the head does not take
+    packing in place (layers/packed_linear.takes_packing_in_place: shape, dtype, bias) or a tied table's embedding
+    is not a plain nn.Embedding."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is None or not _is_plain_cpu_linear(head):
+    if head is None or not takes_packing_in_place(head):
         return False
     tied = embedding is not None and embedding.weight is head.weight
-    if not tied:
-        if not takes_packing_in_place(head):
-            return False
-        pack_linear_in_place(head)
-        head.weight = _meta_like(head.weight)
-        return True
-    weight = head.weight
-    if head.bias is not None or not _plain_embedding(embedding) or not weight.is_contiguous() or \
-            not packs_in_place(head.out_features, head.in_features, weight.dtype):
+    if tied and not _plain_embedding(embedding):
         return False
-    direct = _permute_in_place(weight.detach())
-    head.packed_weight, head.direct = direct.packed, direct
-    head.__class__ = PackedLinear
-    embedding.packed = direct.packed
-    embedding.__class__ = PackedEmbedding
-    meta = _meta_like(weight)
-    head.weight = embedding.weight = meta   # still one Parameter: tied
+    pack_linear_in_place(head)
+    head.weight = meta_parameter(head.weight)
+    if tied:   # the embedding reads its rows out of the head's packed bytes; still one Parameter: tied
+        embedding.packed = head.packed_weight
+        embedding.__class__ = PackedEmbedding
+        embedding.weight = head.weight
     return True
-
-
-def _meta_like(weight: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)

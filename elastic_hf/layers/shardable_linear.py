@@ -196,42 +196,40 @@ class ShardableLinear(nn.Module):
             raise RuntimeError("ShardableLinear has no active shard: call set_shard() after load()")
         if self.fused is not None:   # [..., shard_width]: this member's columns of the group's product
             return self.fused.read(x)[..., self.column_start:self.column_start + self.shard_width]
-        if self.packed:
-            return self._packed_forward(x)
+        if self.packed and x.dtype != self.dtype:
+            raise TypeError(f"a packed ShardableLinear multiplies {self.dtype} inputs only, got {x.dtype}")
         if self.mode == "column":
-            outs = [fp32_linear(x, w, b) for w, b in zip(self._views, self._bias_runs)]  # [..., run_rows] each
+            if self.packed:
+                outs = [decode_gemm(x, ptr, b, rows) for (ptr, rows), b in zip(self._products, self._bias_runs)]
+            else:
+                outs = [fp32_linear(x, w, b) for w, b in zip(self._views, self._bias_runs)]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)          # [..., shard_width]
         if x.shape[-1] != self.shard_width:
             raise ValueError(f"row-parallel input has {x.shape[-1]} columns, shard expects {self.shard_width}")
+        y = self._packed_partials(x) if self.packed else self._partials(x)         # [..., out_features]
+        if self.tp > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def _partials(self, x: torch.Tensor) -> torch.Tensor:
+        """Row mode, plain: the sum over the shard's runs of x's columns times the run's stored rows."""
         y, col = None, 0
         for w in self._views:                                                       # w: [run_rows, out_features]
             part = torch.matmul(x[..., col:col + w.shape[0]], w)                   # [..., out_features]
             y = part if y is None else y.add_(part)
             col += w.shape[0]
-        if self.tp > 1:
-            import torch.distributed as dist
+        return y
 
-            dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y.add_(self.bias)
-
-    def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.dtype:
-            raise TypeError(f"a packed ShardableLinear multiplies {self.dtype} inputs only, got {x.dtype}")
-        if self.mode == "column":
-            outs = [decode_gemm(x, ptr, b, rows) for (ptr, rows), b in zip(self._products, self._bias_runs)]
-            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)          # [..., shard_width]
-        if x.shape[-1] != self.shard_width:
-            raise ValueError(f"row-parallel input has {x.shape[-1]} columns, shard expects {self.shard_width}")
+    def _packed_partials(self, x: torch.Tensor) -> torch.Tensor:
+        """Row mode, packed: the sum over the shard's chunks, each its own packed [out_features, chunk rows]."""
         y, col, out_features = None, 0, self.layout.row_numel
-        for ptr, rows in self._products:                                            # one chunk's [out, rows]
+        for ptr, rows in self._products:
             part = decode_gemm(x[..., col:col + rows], ptr, None, out_features)     # [..., out_features]
             y = part if y is None else y.add_(part)
             col += rows
-        if self.tp > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y.add_(self.bias)
+        return y
 
     def extra_repr(self) -> str:
         return (f"{self.mode}, in={self.in_features}, out={self.out_features}, tp={self.tp}, rank={self.rank}, "

@@ -21,8 +21,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from elastic_hf.layers.packed_linear import (fusable, pack_fused, pack_group_in_place, pack_linear,
-                                             pack_linear_in_place, packs_in_place, takes_packing,
+from elastic_hf.layers.packed_linear import (fusable, meta_parameter, pack_fused, pack_group_in_place,
+                                             pack_linear, pack_linear_in_place, packs_in_place, takes_packing,
                                              takes_packing_in_place)
 from elastic_hf.layers.quant_linear import is_quant_linear
 from elastic_hf.layers.stacked_linear import stack_fused, stackable
@@ -238,8 +238,7 @@ class PlacedWeights:
             if id(weight) not in shared:
                 start = weight.data_ptr() - base
                 spans.append((start, start + weight.numel() * weight.element_size()))
-                module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                                             requires_grad=False)
+                module.weight = meta_parameter(weight)
         before = self.arena.committed_bytes
         for first, end in _whole_pages(spans, self.arena.page_size):
             self.arena.decommit(first, end - first)
@@ -266,8 +265,7 @@ class PlacedWeights:
                 done.add(id(module))
         for module in layers.modules():
             if id(module) in done:
-                module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,
-                                                         device="meta"), requires_grad=False)
+                module.weight = meta_parameter(module.weight)
         return len(done)
 
     def stack_linears(self, fusion_groups: list[list[nn.Module]]) -> int:

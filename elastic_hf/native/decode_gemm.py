@@ -57,30 +57,28 @@ def packed_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(n // _BLOCK_N, _BLOCK_N, tiles, 16).permute(0, 2, 3, 1).reshape(-1)
 
 
+def _packed_blocks(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The flat packed bytes of an [N, K] weight as packed_layout's blocks: fp32 [N/64][K/16][16][64], bf16
+    [N/64][K/32][16][64][2] (a view)."""
+    tiles = in_features // _K_TILE[packed.dtype]
+    pair = (2,) if packed.dtype == torch.bfloat16 else ()
+    return packed.view(out_features // _BLOCK_N, tiles, 16, _BLOCK_N, *pair)
+
+
 def plain_layout(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The inverse of `packed_layout`: the flat packed bytes of an [N, K] weight as a new, contiguous plain [N, K]
     tensor (reshape alone may return a strided view of the packed bytes: one 64-row block)."""
-    n, k, dtype = out_features, in_features, packed.dtype
-    tiles = k // _K_TILE[dtype]
-    if dtype == torch.bfloat16:
-        blocks = packed.view(n // _BLOCK_N, tiles, 16, _BLOCK_N, 2).permute(0, 3, 1, 2, 4)
-    else:
-        blocks = packed.view(n // _BLOCK_N, tiles, 16, _BLOCK_N).permute(0, 3, 1, 2)
-    return blocks.contiguous().view(n, k)
+    blocks = _packed_blocks(packed, out_features, in_features)
+    order = (0, 3, 1, 2, 4) if packed.dtype == torch.bfloat16 else (0, 3, 1, 2)   # [N/64][64][K/tile][tile...]
+    return blocks.permute(order).contiguous().view(out_features, in_features)
 
 
 def packed_rows(packed: torch.Tensor, out_features: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
     """Rows `rows` (any shape of indices) of an [N, K] weight held in `packed_layout`, read out of the packed bytes:
     [...] -> [..., K] (an embedding lookup on a table packed for the LM head)."""
-    n, k, dtype = out_features, in_features, packed.dtype
-    tiles = k // _K_TILE[dtype]
-    if dtype == torch.bfloat16:
-        blocks = packed.view(n // _BLOCK_N, tiles, 16, _BLOCK_N, 2)
-        picked = blocks[rows // _BLOCK_N, :, :, rows % _BLOCK_N]      # [..., tiles, 16, 2]
-    else:
-        blocks = packed.view(n // _BLOCK_N, tiles, 16, _BLOCK_N)
-        picked = blocks[rows // _BLOCK_N, :, :, rows % _BLOCK_N]      # [..., tiles, 16]
-    return picked.reshape(*rows.shape, k)
+    blocks = _packed_blocks(packed, out_features, in_features)
+    picked = blocks[rows // _BLOCK_N, :, :, rows % _BLOCK_N]         # [..., K/tile, 16(, 2)]
+    return picked.reshape(*rows.shape, in_features)
 
 
 def _packed_bytes(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
