@@ -74,8 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--packed-weights", default=None, choices=("auto", "on", "off"),
                         help="CPU linears on oneDNN prepacked weights (same memory, bf16 bit-identical, ~1.2x "
                              "throughput on the default model); on CUDA, q/k/v and gate/up as one GEMM each over "
-                             "their stacked weights (no copy); auto: on for one worker without --morph "
-                             "(default: auto)" + _OWN_DEFAULT)
+                             "their stacked weights (no copy); auto: on wherever it can be (CUDA: one worker "
+                             "without --morph; CPU: morphing layers and multi-worker shards are packed in their own "
+                             "arena bytes) (default: auto)" + _OWN_DEFAULT)
     parser.add_argument("--seed", type=int, default=None,
                         help="seed the requests that bring no 'seed' of their own, in the order they are accepted, so "
                              "the same requests to a restarted server sample the same outputs (default: random)"
