@@ -50,6 +50,9 @@ class ShardableLinear(nn.Module):
         self.dtype = dtype
         self.bias = bias                       # full, replicated; sliced per shard (column) or added once (row)
         self.committed: set[int] = set()       # chunk ids whose pages hold weights
+        # chunk ids whose pages are committed for bytes still arriving (chunk_buffer(commit=True) before
+        # mark_loaded): a receive that fails leaves them here, and release still gives their pages back
+        self.landing: set[int] = set()
         self.tp, self.rank, self.group = 1, 0, None
         self._runs: list[Run] = []
         self._views: list[torch.Tensor] = []
@@ -101,6 +104,8 @@ class ShardableLinear(nn.Module):
         offset, nbytes = self._chunk_span(i)
         if commit:
             self.arena.commit(offset, nbytes)
+            if i not in self.committed:
+                self.landing.add(i)
         return self.arena.view(offset, (c.stored_rows, self.layout.row_numel), self.dtype)
 
     def plain_chunk(self, i: int) -> torch.Tensor:
@@ -121,6 +126,7 @@ class ShardableLinear(nn.Module):
             view = self.chunk_buffer(i)                      # [stored_rows, row_numel]
             matrix = view if self.mode == "column" else view.t().contiguous()   # the product's [out, in]
             view.view(-1).copy_(packed_layout(matrix))      # packed_layout permutes into a new tensor: no aliasing
+        self.landing.discard(i)
         self.committed.add(i)
 
     def release(self, chunk_ids: list[int]) -> int:
@@ -131,16 +137,22 @@ class ShardableLinear(nn.Module):
                              f"tp={self.tp} rank={self.rank}")
         freed = 0
         for i in chunk_ids:
-            if i in self.committed:
+            if i in self.held:
                 offset, nbytes = self._chunk_span(i)
                 self.arena.decommit(offset, nbytes)
                 self.committed.discard(i)
+                self.landing.discard(i)
                 freed += nbytes
         return freed
 
     @property
+    def held(self) -> set[int]:
+        """Chunk ids whose pages are committed: loaded, or landing."""
+        return self.committed | self.landing
+
+    @property
     def committed_bytes(self) -> int:
-        return sum(self.layout.chunks[i].nbytes for i in self.committed)
+        return sum(self.layout.chunks[i].nbytes for i in self.held)
 
     # ------------------------------------------------------------------ shard
     def _owns(self, chunk_id: int) -> bool:

@@ -133,7 +133,7 @@ class ShardedWeights:
                     lin.load(self.store.get(layer_idx, kind), missing)
                     loaded += sum(lin.layout.chunks[i].nbytes for i in missing)
                 lin.set_shard(tp, rank, group)
-                released += lin.release(sorted(lin.committed - set(own)))
+                released += lin.release(sorted(lin.held - set(own)))
         self.refresh_fusion()
         return loaded, released
 
@@ -156,7 +156,7 @@ class ShardedWeights:
         for layer_idx in layer_ids:
             for lin in self.linears[layer_idx].values():
                 lin.deactivate()
-                freed += lin.release(sorted(lin.committed))
+                freed += lin.release(sorted(lin.held))
         self.refresh_fusion()
         return freed
 
@@ -177,7 +177,7 @@ class ShardedWeights:
         for per_layer in self.linears:
             for lin in per_layer.values():
                 lin.deactivate()
-                freed += lin.release(sorted(lin.committed))
+                freed += lin.release(sorted(lin.held))
         self.refresh_fusion()
         return freed
 

@@ -110,6 +110,31 @@ def test_release_returns_pages_and_reload_restores(world):
         lin.release([0])
 
 
+def test_a_receive_that_never_lands_still_gives_its_pages_back():
+    """A gather commits a chunk's pages before its bytes arrive (chunk_buffer(commit=True)); when the transfer
+    fails before mark_loaded, releasing the chunks the old shard does not own must still decommit them, or a
+    reshape's rollback finds the budget full when it re-commits its old KV blocks."""
+    weight = torch.randn(1536, 96)
+    layout = PaddedLayout(1536, 1, 96, 4, 4096, (1, 2), zero_pad=True)
+    lin, budget = _make(layout, "column", weight)
+    own = layout.shard_chunks(2, 1)
+    lin.load(weight, own)
+    lin.set_shard(2, 1)
+    before = budget.used_bytes("weights")
+    foreign = layout.shard_chunks(2, 0)
+    for i in foreign:
+        lin.chunk_buffer(i, commit=True)   # the receive buffers of a gather that then fails
+    assert budget.used_bytes("weights") == before + sum(layout.chunks[i].nbytes for i in foreign)
+    assert lin.held == set(own) | set(foreign) and lin.committed == set(own)
+    with pytest.raises(ValueError, match="not loaded"):   # landing bytes are not weights yet
+        lin.set_shard(1, 0)
+    assert lin.release(sorted(lin.held - set(own))) == sum(layout.chunks[i].nbytes for i in foreign)
+    assert budget.used_bytes("weights") == before and lin.held == set(own)
+    lin.chunk_buffer(foreign[0], commit=True).copy_(weight[:layout.chunks[foreign[0]].stored_rows])
+    lin.mark_loaded(foreign[0])            # a receive that lands is a loaded chunk
+    assert lin.committed == set(own) | {foreign[0]} and not lin.landing
+
+
 needs_decode_gemm = pytest.mark.skipif(not decode_gemm_available(torch.bfloat16),
                                        reason="no native decode GEMM for bf16 on this CPU (AVX-512 BF16)")
 
