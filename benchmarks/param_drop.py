@@ -74,6 +74,7 @@ from regime import (add_weight_share_arg, kv_bytes_for_share, measured_weights_b
                     median_spread, parse_weight_shares, share_label)
 from replay import (TRACE_NAME, ReplayReport, ReplayRequest, TraceRow, TraceScale, build_requests,  # noqa: E402
                     load_trace, percentile, run_replay, scale_trace, time_scale_for_rate)
+from elastic_hf.parallel.metrics import PIPELINE_PARTS  # noqa: E402
 
 CONFIGS = ("dp", "pp", "tp-merge", "morph", "kunserve", "+drop", "+exchange", "no-restore", "lifted")
 DEFAULT_CONFIGS = CONFIGS[:-1]   # "lifted" on request: the exchange at full speed while requests queue
@@ -327,7 +328,7 @@ def solve_rate(rows: list[TraceRow], cal: Calibration, capacity_tokens: int, uti
 # ---------------------------------------------------------------- configs
 def config_options(name: str, args, hysteresis: dict, cost_profile: str | None) -> dict:
     base = {"workers": 2, "kv_cache_memory": args.kv_cache_memory, "dtype": args.dtype, "seed": args.seed,
-            "max_num_seqs": MAX_NUM_SEQS}
+            "max_num_seqs": MAX_NUM_SEQS, "pipeline_batches": args.pipeline_batches}
     if name == "dp":
         return {**base, "topology": (1, 1), "overload": "off"}
     if name == "pp":
@@ -361,11 +362,29 @@ class Run:
     counts: dict = field(default_factory=dict)
     topology: str = ""
     capacity_tokens: int = 0     # attached KV at the start (tokens)
+    layouts: list = field(default_factory=list)   # what each drop / merge committed, e.g. [1x2:15/15]
 
 
 def metric_total(registry, name: str) -> float:
     """Sum of every sample named `name` (all label values) in a prometheus registry."""
     return sum(s.value for metric in registry.collect() for s in metric.samples if s.name == name)
+
+
+def bubble_parts(group) -> str:
+    """Per stage, shares of its pipelined time: forwards, the idle gap before each step (the control plane between
+    a step's output and the next batch), waiting for upstream activations, waiting for its sends, the rest (Python,
+    the step's RPC)."""
+    run = sorted(group, key=lambda r: r.counts["bubble"])[len(group) // 2]
+    out = []
+    for stage in (0, 1):
+        c = {part: run.counts[f"stage{stage}_{part}"] for part in PIPELINE_PARTS}
+        if c["wall_s"] <= 0:
+            continue
+        rest = c["wall_s"] - c["busy_s"] - c["gap_s"] - c["recv_s"] - c["flush_s"]
+        shares = " / ".join(f"{100 * v / c['wall_s']:.1f}" for v in (c["busy_s"], c["gap_s"], c["recv_s"],
+                                                                     c["flush_s"], rest))
+        out.append(f"stage {stage} {c['wall_s']:.1f} s: {shares} %")
+    return "; ".join(out) + " (busy / gap / recv / flush / rest)"
 
 
 def counters(model) -> dict:
@@ -378,6 +397,8 @@ def counters(model) -> dict:
             "reshape_kv_bytes": metric_total(registry, "elastic_hf_reshape_kv_moved_bytes_total"),
             "morph_swaps": metric_total(registry, "elastic_hf_morph_swaps_total"),
             "busy_s": m.pipeline_busy_s, "wall_s": m.pipeline_wall_s,
+            **{f"stage{stage}_{part}": m.pipeline_stage_s.get(stage, {}).get(part, 0.0)
+               for stage in (0, 1) for part in PIPELINE_PARTS},
             "reshapes": len(dep.reshapes), "history": len(dep.overload.history)}
 
 
@@ -420,9 +441,10 @@ def run_config(name: str, args, requests, slo, hysteresis, cost_profile, bar) ->
                       reshape_s=sum(r.seconds for r in dep.reshapes[before["reshapes"]:] if r.committed),
                       reshape_preempted=sum(len(r.preempted) for r in dep.reshapes[before["reshapes"]:]),
                       final_topology=str(dep.topology))
+        layouts = [h["new"] for h in committed if h["event"] in ("drop", "tp-merge")]
         wall = counts["wall_s"]
         counts["bubble"] = 1 - counts["busy_s"] / wall if wall > 0 else float("nan")
-        return Run(name, report, timeline, t0, t_end, counts, topology, capacity)
+        return Run(name, report, timeline, t0, t_end, counts, topology, capacity, layouts)
     finally:
         model.close()
         del model
@@ -507,6 +529,8 @@ def print_results(runs: dict[str, list[Run]], slo: tuple[float, float]) -> None:
             bits = []
             if c["refused"]:
                 bits.append(f"{c['refused']} refused/rolled back")
+            if run.layouts:
+                bits.append("to " + ", ".join(run.layouts))
             if c["reshape_kv_bytes"]:
                 bits.append(f"reshape KV moved {c['reshape_kv_bytes'] / 2 ** 20:.1f} MiB")
             if c["reshape_preempted"]:
@@ -532,6 +556,9 @@ def print_results(runs: dict[str, list[Run]], slo: tuple[float, float]) -> None:
                   f"{median_spread([r.report.tpot(50) for r in group], 4)}  SLO "
                   f"{100 * med(name, lambda r: r.report.slo_attainment):.1f}%  bubble "
                   f"{fmt(med(name, lambda r: r.counts['bubble']))}")
+    for name, group in runs.items():
+        if med(name, lambda r: r.counts["stage0_wall_s"]) > 0:
+            print(f"  {name}: where the pipelined steps' time went (median run), {bubble_parts(group)}")
     for name, group in runs.items():
         spans = [restore_tpot(run) for run in group]
         if any(n for _, _, n in spans):
@@ -629,6 +656,9 @@ def main(argv=None) -> int:
     ap.add_argument("--slo-scale", type=float, default=5.0, help="SLO = this x the DP's unloaded TTFT / TPOT")
     ap.add_argument("--plan-only", action="store_true",
                     help="calibrate, print each regime's workload plan (rate, lengths, burst) and exit")
+    ap.add_argument("--pipeline-batches", type=int, default=None,
+                    help="batches a pipelined instance keeps in flight (EngineConfig.pipeline_batches; default: one "
+                         "per stage)")
     ap.add_argument("--restore-wait", type=float, default=30.0,
                     help="seconds to wait after the replay for a drop / merge still in effect to restore")
     args = ap.parse_args(argv)

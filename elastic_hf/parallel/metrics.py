@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+PIPELINE_PARTS = ("busy_s", "wall_s", "gap_s", "recv_s", "flush_s")
 RESHAPE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -32,6 +33,9 @@ class DeploymentMetrics:
         self.recoveries = Counter("elastic_hf_worker_replacements", "Dead worker processes replaced", registry=r)
         self.pipeline_busy_s = 0.0    # summed over stages and steps: 1 - busy / wall is the overall bubble ratio
         self.pipeline_wall_s = 0.0
+        # where each stage's non-busy time went, summed over steps: {stage: {"busy_s", "wall_s", "gap_s" (idle
+        # between its steps: the control plane), "recv_s" (waiting for upstream), "flush_s" (sends)}}
+        self.pipeline_stage_s: dict[int, dict[str, float]] = {}
 
     def set_topology(self, topology) -> None:
         """Instances of the current topology by (tp, pp); shapes that no longer serve read 0."""
@@ -49,6 +53,9 @@ class DeploymentMetrics:
         self.pipeline_busy_s += sum(s["busy_s"] for s in stage_stats)
         self.pipeline_wall_s += sum(s["wall_s"] for s in stage_stats)
         for stats in stage_stats:
+            parts = self.pipeline_stage_s.setdefault(stats["stage"], dict.fromkeys(PIPELINE_PARTS, 0.0))
+            for key in PIPELINE_PARTS:
+                parts[key] += stats.get(key, 0.0)
             self.bubble_ratio.labels(instance_workers=name, stage=str(stats["stage"])).set(stats["bubble_ratio"])
             self.activation_bytes.inc(stats["sent_bytes"])
 

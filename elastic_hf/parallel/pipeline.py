@@ -28,6 +28,8 @@ class PipelineStats:
     wall_s: float = 0.0          # the whole step on this worker, waits included
     sent_bytes: int = 0
     gap_s: float = 0.0           # idle before the step since this stage's previous one (< IDLE_GAP_S, else 0)
+    recv_s: float = 0.0          # waiting for the previous stage's activations (pipeline fill, a slower upstream)
+    flush_s: float = 0.0         # waiting for this stage's sends to complete at the end of the step
 
     @property
     def span_s(self) -> float:
@@ -95,7 +97,9 @@ def run_pipeline_step(runner, links: StageLinks, micro_batches: list[list]) -> t
             num_tokens = sum(len(seq.token_ids) for seq in inputs)
             hidden_in = None
             if links.prev is not None:
+                t0 = time.perf_counter()
                 status, hidden_in = links.recv()
+                stats.recv_s += time.perf_counter() - t0
                 if status != OK and error is None:
                     error = StageFailed("an earlier pipeline stage failed this step")
             if error is None:
@@ -111,7 +115,10 @@ def run_pipeline_step(runner, links: StageLinks, micro_batches: list[list]) -> t
             elif error is None:
                 logits.append(out)
     finally:
-        links.flush()
+        if links.pending:
+            t0 = time.perf_counter()
+            links.flush()
+            stats.flush_s = time.perf_counter() - t0
         links.last_end = time.perf_counter()
         stats.wall_s = links.last_end - started
     if error is not None:

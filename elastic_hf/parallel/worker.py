@@ -258,6 +258,7 @@ class Worker:
             logits, stats = run_pipeline_step(self.instance.runner, self.links, micro_batches)
         self.last_pipeline_stats = {"worker": self.me, "stage": role.stage, "busy_s": stats.busy_s,
                                     "wall_s": stats.span_s, "bubble_ratio": stats.bubble_ratio,
+                                    "gap_s": stats.gap_s, "recv_s": stats.recv_s, "flush_s": stats.flush_s,
                                     "sent_bytes": stats.sent_bytes,
                                     # a KV exchange's and a restore's weight load's progress, so the control
                                     # plane need not ask mid-step

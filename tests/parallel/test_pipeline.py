@@ -62,6 +62,13 @@ def test_pp2_preempts_and_recomputes_exactly(pp_checkpoint):
         text = dep.metrics.render().decode()
         assert 'elastic_hf_instances{pp="2",tp="1"} 1.0' in text
         assert "elastic_hf_pipeline_bubble_ratio{" in text
+        # Where each stage's time went: forwards, the gap before its steps, waiting for upstream, its sends.
+        parts = dep.deployment_metrics.pipeline_stage_s
+        assert sorted(parts) == [0, 1]
+        for stage, p in parts.items():
+            assert 0 < p["busy_s"] and p["busy_s"] + p["gap_s"] + p["recv_s"] + p["flush_s"] <= p["wall_s"] * 1.0001
+        assert parts[0]["recv_s"] == 0 and parts[1]["recv_s"] > 0   # only stage 1 has an upstream
+        assert parts[1]["flush_s"] == 0                              # the last stage sends nothing on
 
 
 @pytest.fixture(scope="module")
