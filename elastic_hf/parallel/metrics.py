@@ -31,11 +31,18 @@ class DeploymentMetrics:
         self.peak_extra_bytes = Gauge("elastic_hf_reshape_peak_extra_bytes",
                                       "Largest per-worker extra KV bytes of the last reshape", registry=r)
         self.recoveries = Counter("elastic_hf_worker_replacements", "Dead worker processes replaced", registry=r)
-        self.pipeline_busy_s = 0.0    # summed over stages and steps: 1 - busy / wall is the overall bubble ratio
-        self.pipeline_wall_s = 0.0
-        # where each stage's non-busy time went, summed over steps: {stage: {"busy_s", "wall_s", "gap_s" (idle
-        # between its steps: the control plane), "recv_s" (waiting for upstream), "flush_s" (sends)}}
+        # where each stage's time went, summed over steps: {stage: {"busy_s" (forwards), "wall_s", "gap_s" (idle
+        # between its steps: the control plane), "recv_s" (waiting for upstream), "flush_s" (its sends)}}
         self.pipeline_stage_s: dict[int, dict[str, float]] = {}
+
+    @property
+    def pipeline_busy_s(self) -> float:
+        """Forward time summed over stages and steps: 1 - busy / wall is the overall bubble ratio."""
+        return sum(parts["busy_s"] for parts in self.pipeline_stage_s.values())
+
+    @property
+    def pipeline_wall_s(self) -> float:
+        return sum(parts["wall_s"] for parts in self.pipeline_stage_s.values())
 
     def set_topology(self, topology) -> None:
         """Instances of the current topology by (tp, pp); shapes that no longer serve read 0."""
@@ -50,12 +57,10 @@ class DeploymentMetrics:
     def on_pipeline_step(self, stage_stats: list[dict], workers: tuple[int, ...]) -> None:
         """Stage timings of one pipelined step (every worker of the instance, stage order)."""
         name = "-".join(map(str, workers))
-        self.pipeline_busy_s += sum(s["busy_s"] for s in stage_stats)
-        self.pipeline_wall_s += sum(s["wall_s"] for s in stage_stats)
         for stats in stage_stats:
             parts = self.pipeline_stage_s.setdefault(stats["stage"], dict.fromkeys(PIPELINE_PARTS, 0.0))
             for key in PIPELINE_PARTS:
-                parts[key] += stats.get(key, 0.0)
+                parts[key] += stats[key]
             self.bubble_ratio.labels(instance_workers=name, stage=str(stats["stage"])).set(stats["bubble_ratio"])
             self.activation_bytes.inc(stats["sent_bytes"])
 

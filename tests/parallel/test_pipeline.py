@@ -65,7 +65,7 @@ def test_pp2_preempts_and_recomputes_exactly(pp_checkpoint):
         # Where each stage's time went: forwards, the gap before its steps, waiting for upstream, its sends.
         parts = dep.deployment_metrics.pipeline_stage_s
         assert sorted(parts) == [0, 1]
-        for stage, p in parts.items():
+        for p in parts.values():
             assert 0 < p["busy_s"] and p["busy_s"] + p["gap_s"] + p["recv_s"] + p["flush_s"] <= p["wall_s"] * 1.0001
         assert parts[0]["recv_s"] == 0 and parts[1]["recv_s"] > 0   # only stage 1 has an upstream
         assert parts[1]["flush_s"] == 0                              # the last stage sends nothing on
