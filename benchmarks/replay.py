@@ -309,10 +309,19 @@ def run_replay(base_url: str, requests: list[ReplayRequest], **kwargs) -> Replay
 
 
 # ---------------------------------------------------------------- server management
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port() -> int:
+    """A loopback port below the kernel's ephemeral range: a bind(0) port, closed before the server binds it,
+    could meanwhile go to one of that server's own workers (its rendezvous store, gloo listeners)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        first_ephemeral = int(ports.read().split()[0])
+    for port in random.sample(range(10_000, first_ephemeral), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in 10000-{first_ephemeral - 1} after 200 tries")
 
 
 class ServerProcess:
@@ -321,7 +330,7 @@ class ServerProcess:
 
     def __init__(self, serve_args: list[str] = (), *, command: list[str] | None = None, env: dict | None = None,
                  stdout=None, startup_timeout_s: float = 300.0):
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         base = command or [sys.executable, "-m", "elastic_hf.serving.serve_cmd", *serve_args, "--log-level", "warning"]
         cmd = [*base, "--port", str(self.port)]

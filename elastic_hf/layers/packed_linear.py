@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from elastic_hf.layers.cpu_gemm import MIN_ONEDNN_NUMEL, OneDnnLinear, default_backend, onednn_available
-from elastic_hf.native.decode_gemm import decode_gemm, packed_data_ptr, packed_layout, reads_packed
+from elastic_hf.native.decode_gemm import (decode_gemm, decode_gemm_available, packed_data_ptr, packed_layout,
+                                           reads_layout, reads_packed)
 
 # oneDNN picks the blocked layout for this many rows; measured equally good from decode (M=1) to prefill (M=512).
 PACK_BATCH_HINT = 32
@@ -237,8 +238,13 @@ def make_members(group: list[nn.Linear], product: FusedProduct) -> None:
 
 def packs_in_place(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
     """Whether an [out, in] `dtype` weight can be rewritten in place into the layout native/decode_gemm.c reads."""
-    return dtype in (torch.float32, torch.bfloat16) and reads_packed(out_features, in_features, dtype,
-                                                                     PACK_BATCH_HINT)
+    return dtype in (torch.float32, torch.bfloat16) and reads_layout(out_features, in_features, dtype)
+
+
+def packs_in_place_instead(dtype: torch.dtype) -> bool:
+    """Whether a one-worker instance packs its `dtype` linears in their own arena bytes rather than into oneDNN's
+    allocations: bf16 where oneDNN packs no bf16 (an AVX2-only CPU) but our kernel is built (AVX2 + FMA)."""
+    return dtype == torch.bfloat16 and not bf16_packing_available() and decode_gemm_available(dtype)
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from elastic_hf.layers.cpu_gemm import use_onednn_linears
 from elastic_hf.layers.fused_decoder_layer import use_fused_layers
 from elastic_hf.layers.native_norm import use_native_norms
 from elastic_hf.layers.native_rotary import use_native_rotary
-from elastic_hf.layers.packed_linear import packing_available
+from elastic_hf.layers.packed_linear import packing_available, packs_in_place_instead
 from elastic_hf.layers.packed_table import pack_head_in_place
 from elastic_hf.layers.swiglu_mlp import use_swiglu_mlps
 from elastic_hf.memory import MemoryBudget, create_arena, default_page_size, device_total_bytes
@@ -196,7 +196,14 @@ def build_instance(config: EngineConfig, loaded: LoadedModel, place_weights: Wei
             num_packed = weights.pack_linears(loaded.hf_model, exclude=loaded.layers)
         else:
             num_packed = weights.pack_linears(loaded.hf_model, groups)
-        log.info("%d linears on oneDNN prepacked weights (%s beyond the plain weights: tied tables)", num_packed,
+        if packs_in_place_instead(loaded.dtype):
+            # bf16 on a CPU where oneDNN packs no bf16 (no AVX-512) and ATen's bf16 GEMM reads ~0.5 GB/s of weights
+            # at 32 rows: every linear our kernel reads goes on its layout in its own arena bytes instead, the head
+            # too (a tied embedding then reads its rows there).
+            if not config.morph.enabled:
+                num_packed += weights.pack_layers_in_place(loaded.layers, groups)
+            num_packed += int(pack_head_in_place(loaded.hf_model))
+        log.info("%d linears on packed weights (%s beyond the plain weights: tied tables)", num_packed,
                  format_bytes(weights.packed_extra_bytes))
     elif config.packed_weights == "on" and device.type == "cpu" and placed_whole:
         raise ValueError("packed_weights='on' needs oneDNN's weight reorder (torch.ops.mkldnn) and "

@@ -41,15 +41,31 @@
  * compute-bound on widening, in 128 KiB chunks (the partial sums' loads and stores cost more than L1 saves) */
 #define K_CHUNK_TILES_F32 4
 #define K_CHUNK_TILES_BF16 32
+#define K_CHUNK_TILES_BF16_AVX2 4   /* the AVX2 tile walks strip by strip: 16 KiB chunks that stay in L1 */
 #define PREFETCH_BYTES 8192      /* software prefetch into L2, two 4 KiB tiles ahead in the weight stream */
 
+/* Which kernels this build has: fp32 on AVX-512, else on AVX2 + FMA (ymm registers, below); bf16 with AVX512-BF16's
+ * conversion on AVX-512, else the AVX2 + FMA tile (an AVX-512 CPU without AVX512-BF16 takes that one too). */
 #if defined(__AVX512F__)
+#define HAVE_F32 1
+#define F32_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_F32 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_BF16 1
+#define BF16_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_BF16 1
+#endif
+
+#if defined(HAVE_F32)
 #include <immintrin.h>
 #endif
 
 #define AI static inline __attribute__((always_inline))
 
-#if defined(__AVX512F__)
+#if defined(HAVE_F32)
 /* A row tile's accumulators across K chunks: zero at the first chunk, else the fp32 sums the previous chunk left in
  * `partial` ([rows][64], this block's outputs); all but the last chunk store them back and return (fp32 in memory is
  * exact, so chunking changes no bit). */
@@ -88,7 +104,15 @@ AI void prefetch_weight(const NextChunk *pf, int64_t kt, const char *tile, int s
     }
 }
 
+/* The AVX2 tiles' version of LOAD_PARTIAL, 8 outputs of one row: zero at the first K chunk, else the sums the
+ * previous chunk left in `partial` ([rows][64]). */
+AI __m256 partial_or_zero(const float *partial, int first)
+{
+    return first ? _mm256_setzero_ps() : _mm256_loadu_ps(partial);
+}
+
 /* ---------------------------------------------------------------------------------------------------------- fp32 */
+#if defined(F32_AVX512)
 /* Rows [0, rows) of x against strips [s0, s0 + ns) of one block (64 outputs) whose K/16 tiles start at w. */
 AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, float *y, int64_t ldy,
                  const float *bias, float *partial, int first, int last, const NextChunk *pf, int s0, const int ns,
@@ -116,6 +140,63 @@ AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, f
     }
 }
 
+#else
+/* ------------------------------------------------------------------------------------------------ AVX2 + FMA */
+/* The same walk with 16 ymm registers: a strip of 16 outputs is 2 ymm, so 4 strips x 6 rows of accumulators do not
+ * fit. The strips go in groups of STRIP_GROUP(rows), as many as keep rows x group x 2 accumulators, the rows' inputs
+ * and a weight register within 16: one row takes all 4 strips at once (each k-row of the tile read once, in order),
+ * 2-3 rows 2 strips, 4-6 rows one; a later group re-reads its bytes of the K chunk from L1, not DRAM (the chunk is
+ * cut to 16 KiB: DEFINE_STRIPS's STRIP_BY_STRIP). Strip by strip at 2 rows ran the default model's linears at half
+ * the speed of one row (the weight's k-rows read a quarter at a time). Sums in k order in fp32, as the AVX-512 tile. */
+#define STRIP_GROUP(rows) ((rows) == 1 ? 4 : (rows) <= 3 ? 2 : 1)
+/* Broadcast every row's input once and stream the group's weight registers past them where accumulators, inputs and
+ * a weight register fit the 16 registers; else (one strip, 6 rows) hold the strip's 2 weight registers and broadcast
+ * row by row: the other order spilled accumulators (32 rows: 77 -> 97 ms). */
+#define BROADCASTS_FIRST(rows, g) ((rows) * (2 * (g) + 1) + 1 <= 16)
+
+AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, float *y, int64_t ldy,
+                 const float *bias, float *partial, int first, int last, const NextChunk *pf, int s0, const int ns,
+                 const int rows)
+{
+    const int group = STRIP_GROUP(rows);
+    for (int j0 = 0; j0 < ns; j0 += group) {
+        const int g = ns - j0 < group ? ns - j0 : group;   /* strips in this group */
+        const int c = 16 * (s0 + j0);                       /* the group's first output in the block */
+        __m256 acc[ROW_TILE][STRIPS_PER_BLOCK * 2];
+        for (int m = 0; m < rows; m++)
+            for (int v = 0; v < 2 * g; v++) acc[m][v] = partial_or_zero(partial + m * 64 + c + 8 * v, first);
+        for (int64_t kt = 0; kt < k_tiles; kt++) {
+            const float *tile = w + kt * 16 * 64;           /* [16 k][64 n] */
+            if (j0 == 0) prefetch_weight(pf, kt, (const char *)tile, s0);
+            for (int kk = 0; kk < 16; kk++) {
+                const int64_t k = kt * 16 + kk;
+                if (BROADCASTS_FIRST(rows, g)) {
+                    __m256 xb[ROW_TILE];
+                    for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(x + m * ldx + k);
+                    for (int v = 0; v < 2 * g; v++) {
+                        const __m256 wv = _mm256_loadu_ps(tile + kk * 64 + c + 8 * v);
+                        for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
+                    }
+                } else {
+                    __m256 wv[2];
+                    for (int v = 0; v < 2; v++) wv[v] = _mm256_loadu_ps(tile + kk * 64 + c + 8 * v);
+                    for (int m = 0; m < rows; m++) {
+                        const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+                        for (int v = 0; v < 2; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
+                    }
+                }
+            }
+        }
+        for (int m = 0; m < rows; m++)
+            for (int v = 0; v < 2 * g; v++) {
+                if (!last) _mm256_storeu_ps(partial + m * 64 + c + 8 * v, acc[m][v]);
+                else _mm256_storeu_ps(y + m * ldy + c + 8 * v,
+                                      bias ? _mm256_add_ps(acc[m][v], _mm256_loadu_ps(bias + c + 8 * v)) : acc[m][v]);
+            }
+    }
+}
+#endif
+
 /* dispatch to an instance with constant strip and row counts, so every loop above unrolls into registers */
 #define DISPATCH_ROWS(FN, NS, ...) \
     switch (rows) { case 1: FN(__VA_ARGS__, NS, 1); break; case 2: FN(__VA_ARGS__, NS, 2); break; \
@@ -133,13 +214,15 @@ AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, f
  * chunk into L2 (NextChunk), so the weight streams from DRAM while the rows compute: without it each chunk's first
  * row tile waited on DRAM and the DRAM sat idle during the others (default model, 32 rows: fp32 50 -> 37 ms, bf16
  * 44 -> 36 ms). */
-#define DEFINE_STRIPS(NAME, TILE_FN, W_T, X_T, Y_T, K_TILE, K_CHUNK_TILES) \
+#define DEFINE_STRIPS(NAME, TILE_FN, W_T, X_T, Y_T, K_TILE, K_CHUNK_TILES, STRIP_BY_STRIP) \
 static void NAME(const W_T *w, int64_t k, const X_T *x, int64_t ldx, Y_T *y, int64_t ldy, const Y_T *bias, \
                  float *partial, int64_t rows_total, int64_t first, int64_t last) \
 { \
     const int64_t k_tiles = k / (K_TILE); \
     const int64_t tiles = (rows_total + ROW_TILE - 1) / ROW_TILE; \
-    const int64_t chunk_tiles = tiles > 1 ? K_CHUNK_TILES : k_tiles; \
+    /* (a tile that walks strip by strip re-reads the chunk once a strip: chunked from 2 rows on, as several tiles) */ \
+    const int chunked = tiles > 1 || ((STRIP_BY_STRIP) && rows_total > 1); \
+    const int64_t chunk_tiles = chunked ? K_CHUNK_TILES : k_tiles; \
     for (int64_t s = first; s < last;) { \
         const int64_t block = s / STRIPS_PER_BLOCK; \
         const int s0 = (int)(s % STRIPS_PER_BLOCK); \
@@ -151,10 +234,10 @@ static void NAME(const W_T *w, int64_t k, const X_T *x, int64_t ldx, Y_T *y, int
             const int first_chunk = kt0 == 0, last_chunk = kt0 + kts == k_tiles; \
             /* the next chunk: this block's next K range, else the first chunk of the thread's next block */ \
             NextChunk pf = {NULL, 0, 0, tiles * kts, s0, ns}; \
-            if (tiles > 1 && !last_chunk) { \
+            if (chunked && !last_chunk) { \
                 pf.base = (const char *)(wb + (kt0 + kts) * (K_TILE) * 64); \
                 pf.rows = (k_tiles - kt0 - kts < chunk_tiles ? k_tiles - kt0 - kts : chunk_tiles) * 16; \
-            } else if (tiles > 1 && s + ns < last) { \
+            } else if (chunked && s + ns < last) { \
                 pf.base = (const char *)(wb + k_tiles * (K_TILE) * 64); \
                 pf.rows = (k_tiles < chunk_tiles ? k_tiles : chunk_tiles) * 16; \
                 pf.s0 = 0; \
@@ -173,10 +256,14 @@ static void NAME(const W_T *w, int64_t k, const X_T *x, int64_t ldx, Y_T *y, int
     } \
 }
 
-DEFINE_STRIPS(strips_f32, tile_f32, float, float, float, 16, K_CHUNK_TILES_F32)
+#if defined(F32_AVX512)
+DEFINE_STRIPS(strips_f32, tile_f32, float, float, float, 16, K_CHUNK_TILES_F32, 0)
+#else
+DEFINE_STRIPS(strips_f32, tile_f32, float, float, float, 16, K_CHUNK_TILES_F32, 1)
+#endif
 
 /* ---------------------------------------------------------------------------------------------------------- bf16 */
-#if defined(__AVX512BF16__)
+#if defined(BF16_AVX512)
 /* x arrives widened to fp32 (xf, [rows, k]); each packed weight register (16 outputs x one k-pair) is split into its
  * odd and even halves, widened by a mask and a shift, and goes through two fp32 FMAs: the odd product first, then the
  * even one, each rounded, which is vdpbf16ps's own definition (so results equal oneDNN's), at the FMA ports' rate.
@@ -221,7 +308,96 @@ AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t l
     }
 }
 
-DEFINE_STRIPS(strips_bf16, tile_bf16, uint16_t, float, uint16_t, 32, K_CHUNK_TILES_BF16)
+DEFINE_STRIPS(strips_bf16, tile_bf16, uint16_t, float, uint16_t, 32, K_CHUNK_TILES_BF16, 0)
+#elif defined(HAVE_BF16)
+/* AVX2 + FMA: as the AVX-512 tile, a ymm of packed weight (8 outputs x one k-pair) splits into its odd and even
+ * halves by a mask and a shift, the odd product first, then the even one, in fp32 FMAs; one row keeps all strips in
+ * registers, more rows go strip by strip (see the fp32 tile). The output rounds to nearest even in integer ops
+ * (bf16.h's rule, vectorised: no AVX512-BF16 conversion here). */
+AI __m128i f32x8_to_bf16(__m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
+                                              16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);          /* [8] 32-bit lanes, each < 2^16 */
+    /* packus interleaves the two 128-bit lanes: qwords 0 and 2 hold outputs 0-3 and 4-7 */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+AI __m256 bf16x8_to_f32(const uint16_t *v)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)v)), 16));
+}
+
+AI void store_bf16(uint16_t *y, __m256 acc, const uint16_t *bias)
+{
+    _mm_storeu_si128((__m128i *)y, f32x8_to_bf16(bias ? _mm256_add_ps(acc, bf16x8_to_f32(bias)) : acc));
+}
+
+AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t ldx, uint16_t *y, int64_t ldy,
+                  const uint16_t *bias, float *partial, int first, int last, const NextChunk *pf, int s0,
+                  const int ns, const int rows)
+{
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    const int group = STRIP_GROUP(rows);
+    for (int j0 = 0; j0 < ns; j0 += group) {
+        const int g = ns - j0 < group ? ns - j0 : group;
+        const int c = 16 * (s0 + j0);
+        __m256 acc[ROW_TILE][STRIPS_PER_BLOCK * 2];
+        for (int m = 0; m < rows; m++)
+            for (int v = 0; v < 2 * g; v++) acc[m][v] = partial_or_zero(partial + m * 64 + c + 8 * v, first);
+        for (int64_t kt = 0; kt < k_tiles; kt++) {
+            const uint16_t *tile = w + kt * 16 * 64 * 2;      /* [16 k-pairs][64 n][2] */
+            if (j0 == 0) prefetch_weight(pf, kt, (const char *)tile, s0);
+            for (int kp = 0; kp < 16; kp++) {
+                const int64_t k = (kt * 16 + kp) * 2;
+                const uint16_t *row = tile + (kp * 64 + c) * 2;   /* 8 outputs x one k-pair a ymm */
+                if (BROADCASTS_FIRST(rows, g)) {
+                    __m256 xb[ROW_TILE];
+                    for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(xf + m * ldx + k + 1);
+                    for (int v = 0; v < 2 * g; v++) {                                /* W[n, 2kp + 1] */
+                        const __m256 wv = _mm256_castsi256_ps(
+                            _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(row + 16 * v)), high));
+                        for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
+                    }
+                    for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(xf + m * ldx + k);
+                    for (int v = 0; v < 2 * g; v++) {                                /* W[n, 2kp] */
+                        const __m256 wv = _mm256_castsi256_ps(
+                            _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * v)), 16));
+                        for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
+                    }
+                } else {
+                    __m256 wv[2];
+                    for (int v = 0; v < 2; v++)
+                        wv[v] = _mm256_castsi256_ps(
+                            _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(row + 16 * v)), high));
+                    for (int m = 0; m < rows; m++) {
+                        const __m256 xb = _mm256_broadcast_ss(xf + m * ldx + k + 1);
+                        for (int v = 0; v < 2; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
+                    }
+                    for (int v = 0; v < 2; v++)
+                        wv[v] = _mm256_castsi256_ps(
+                            _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * v)), 16));
+                    for (int m = 0; m < rows; m++) {
+                        const __m256 xb = _mm256_broadcast_ss(xf + m * ldx + k);
+                        for (int v = 0; v < 2; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
+                    }
+                }
+            }
+        }
+        for (int m = 0; m < rows; m++)
+            for (int v = 0; v < 2 * g; v++) {
+                if (!last) _mm256_storeu_ps(partial + m * 64 + c + 8 * v, acc[m][v]);
+                else store_bf16(y + m * ldy + c + 8 * v, acc[m][v], bias ? bias + c + 8 * v : NULL);
+            }
+    }
+}
+
+DEFINE_STRIPS(strips_bf16, tile_bf16, uint16_t, float, uint16_t, 32, K_CHUNK_TILES_BF16_AVX2, 1)
 #endif
 #endif
 
@@ -246,7 +422,7 @@ static float *partial_sums(void)
 int elastic_decode_gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
                             int64_t m, int64_t n, int64_t k, int threads)
 {
-#if defined(__AVX512F__)
+#if defined(HAVE_F32)
     if (m < 1 || n % 64 || k % 16) return -1;
     const int64_t strips = n / 16;
     int failed = 0;
@@ -270,7 +446,7 @@ int elastic_decode_gemm_f32(const float *x, int64_t ldx, const float *w, const f
 int elastic_decode_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                              int64_t ldy, int64_t m, int64_t n, int64_t k, int threads)
 {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(HAVE_BF16)
     if (m < 1 || n % 64 || k % 32) return -1;
     /* x widened, ROW_CHUNK rows at a time, into this thread's scratch (kept between calls, never more than
      * ROW_CHUNK x k floats) */
@@ -307,12 +483,13 @@ int elastic_decode_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, 
 #endif
 }
 
-/* Whether this build has each kernel at all (a CPU without AVX-512 or AVX512-BF16 compiles them out). */
+/* Whether this build has each kernel at all (a CPU without AVX-512 or AVX2 + FMA compiles them out). */
 int elastic_decode_gemm_has(int bf16)
 {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(HAVE_BF16) && defined(HAVE_F32)
+    (void)bf16;
     return 1;
-#elif defined(__AVX512F__)
+#elif defined(HAVE_F32)
     return !bf16;
 #else
     (void)bf16;

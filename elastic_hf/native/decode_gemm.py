@@ -38,12 +38,12 @@ def _kernel(dtype: torch.dtype):
         return None
     has = bind("decode_gemm", "elastic_decode_gemm_has", [_int], _int)
     if not has(int(dtype == torch.bfloat16)):
-        return None          # compiled for a CPU without AVX-512 (or AVX512-BF16 for bf16)
+        return None          # compiled for a CPU with neither AVX-512 nor AVX2 + FMA
     return bind("decode_gemm", _ENTRY_POINTS[dtype], _SIGNATURE, _int)
 
 
 def decode_gemm_available(dtype: torch.dtype) -> bool:
-    """A kernel for `dtype` on this CPU (AVX-512; bf16 also AVX512-BF16) with native kernels and this one on."""
+    """A kernel for `dtype` on this CPU (AVX-512, or AVX2 + FMA) with native kernels and this one on."""
     return decode_gemm_enabled() and _kernel(dtype) is not None
 
 
@@ -88,19 +88,29 @@ def _packed_bytes(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype)
 
 
+def reads_layout(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel reads `packed_layout` of an [out, in] `dtype` weight: on and built for the dtype, and the
+    shape in whole 64-output blocks and K tiles (it never reads padding). What packing a weight in place needs."""
+    return (decode_gemm_available(dtype) and out_features % _BLOCK_N == 0
+            and in_features % _K_TILE[dtype] == 0)
+
+
 def reads_packed(out_features: int, in_features: int, dtype: torch.dtype, batch_hint: int) -> bool:
-    """Whether the kernel can read oneDNN's packing of an [out, in] `dtype` weight: the kernel on and built for the
-    dtype, shapes without padding, and, checked on a random probe of that shape (oneDNN picks a layout per shape,
-    dtype, batch hint and CPU), the bytes oneDNN writes equal to `packed_layout`."""
-    return decode_gemm_available(dtype) and _layout_matches(out_features, in_features, dtype, batch_hint)
+    """Whether the kernel can read oneDNN's own packing of an [out, in] `dtype` weight: `reads_layout`, and, checked
+    on a random probe of that shape (oneDNN picks a layout per shape, dtype, batch hint and CPU: on an AVX2-only CPU
+    its fp32 blocking is another one, and it packs no bf16 at all), the bytes oneDNN writes equal to
+    `packed_layout`."""
+    return reads_layout(out_features, in_features, dtype) and _layout_matches(out_features, in_features, dtype,
+                                                                              batch_hint)
 
 
 @cache
 def _layout_matches(out_features: int, in_features: int, dtype: torch.dtype, batch_hint: int) -> bool:
-    if out_features % _BLOCK_N or in_features % _K_TILE[dtype]:
-        return False
     probe = torch.randn(out_features, in_features).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(probe, batch_hint)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(probe, batch_hint)
+    except RuntimeError:   # "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+        return False
     if int(torch.ops.mkldnn._nbytes(packed)) != probe.numel() * probe.element_size():
         return False
     return torch.equal(_packed_bytes(packed, dtype), packed_layout(probe))

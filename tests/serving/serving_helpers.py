@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
+
+# a port for a server subprocess: benchmarks/replay.py's pick, from below the kernel's ephemeral range (a bind(0)
+# port, closed before the subprocess binds it, could meanwhile go to that server's own workers: a CI run saw it)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from replay import free_port  # noqa: E402,F401
 
 TINY_MAX_MODEL_LEN = 1024
 API_KEY = "test-key-123"
@@ -67,13 +74,6 @@ class Server:
             if line.startswith(name + ("{" if labels else " ")) and (not labels or labels in line):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(f"{name}{{{labels}}} not in /metrics")
-
-
-def free_port() -> int:
-    """A loopback port free now, for a server subprocess to bind."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until_healthy(proc, base: str, timeout_s: float, output=lambda: "") -> None:
