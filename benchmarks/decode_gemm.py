@@ -1,13 +1,15 @@
 """A whole model's linears (every decoder layer's fused q/k/v, o, fused gate/up and down, then the LM head) on
 oneDNN-packed weights: oneDNN's inner product against native/decode_gemm.c reading the same packed bytes, at decode
-row counts (and a prefill chunk), side by side in alternating rounds, against the machine's read bandwidth.
+row counts (and a prefill chunk), side by side in alternating rounds, against the machine's read bandwidth. On an
+AVX2-only CPU (oneDNN's packing is not the kernel's layout there) the kernel reads weights packed on its own layout,
+against what the engine would run otherwise: oneDNN's packed fp32, ATen's bf16 GEMM.
 
     python benchmarks/decode_gemm.py [--shape smollm2-135m|llama-3.2-1b|qwen2.5-0.5b|...] [--dtypes bfloat16 float32]
                                      [--rows 1 4 8 32 128] [--rounds 5]
 
 Random weights in the named model's shapes (benchmarks/model_shapes.py); nothing is loaded. The bandwidth is a
 2-thread fp32 `torch.sum` over a 1 GiB buffer (larger than the last-level cache), best of 5.
-RESULT decode_gemm_speedup_<dtype>_m<M>: oneDNN's time / the kernel's, median of the rounds;
+RESULT decode_gemm_speedup_<dtype>_m<M>: oneDNN's (or ATen's) time / the kernel's, median of the rounds;
 RESULT decode_gemm_bandwidth_share_<dtype>_m1: (weight bytes / measured bandwidth) / the kernel's batch-1 time.
 """
 from __future__ import annotations
@@ -25,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description  # noqa: E402
 from model_shapes import SHAPES  # noqa: E402
 
-from elastic_hf.layers.packed_linear import PACK_BATCH_HINT, packing_available  # noqa: E402
-from elastic_hf.native.decode_gemm import decode_gemm, decode_gemm_available, packed_data_ptr, reads_packed  # noqa
+from elastic_hf.layers.packed_linear import PACK_BATCH_HINT, bf16_packing_available, packing_available  # noqa: E402
+from elastic_hf.native.decode_gemm import (decode_gemm, decode_gemm_available, packed_data_ptr, packed_layout,  # noqa
+                                           reads_layout, reads_packed)
 
 
 def linear_shapes(shape: str) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
@@ -65,20 +68,33 @@ def main() -> None:
     layer, num_layers, head = linear_shapes(args.shape)
     for dtype in (getattr(torch, name) for name in args.dtypes):
         shapes = layer * num_layers + [head]
-        if not decode_gemm_available(dtype) or not all(reads_packed(n, k, dtype, PACK_BATCH_HINT) for n, k in shapes):
+        if not decode_gemm_available(dtype) or not all(reads_layout(n, k, dtype) for n, k in shapes):
             print(f"{dtype}: no decode_gemm kernel for these shapes on this CPU; skipped")
             continue
         torch.manual_seed(0)
-        packed = [torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k) * 0.02).to(dtype), PACK_BATCH_HINT)
-                  for n, k in tqdm(shapes, desc=f"packing {dtype}", leave=False)]
-        pointers = [packed_data_ptr(p) for p in packed]
+        plain = [(torch.randn(n, k) * 0.02).to(dtype) for n, k in shapes]
+        # The kernel reads oneDNN's own packed bytes where they are its layout (AVX-512); elsewhere (AVX2) weights
+        # are packed in place on its layout, and the engine's alternative is oneDNN where it packs the dtype (fp32)
+        # or ATen's GEMM over the plain weights (bf16: oneDNN packs none on AVX2)
+        shared = all(reads_packed(n, k, dtype, PACK_BATCH_HINT) for n, k in shapes)
+        onednn_packs = shared or dtype == torch.float32 or bf16_packing_available()
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+                  for w in tqdm(plain, desc=f"packing {dtype}", leave=False)] if onednn_packs else None
+        own = None if shared else [packed_layout(w) for w in plain]
+        pointers = [packed_data_ptr(p) for p in packed] if shared else [w.data_ptr() for w in own]
+        baseline = "oneDNN" if onednn_packs else "ATen"
         nbytes = sum(n * k for n, k in shapes) * torch.finfo(dtype).bits // 8
         print(f"\n{args.shape} {dtype}: {num_layers} layers x {len(layer)} linears + head, "
-              f"{nbytes / 1e6:.0f} MB of weights; bandwidth bound {nbytes / bandwidth * 1e3:.2f} ms")
+              f"{nbytes / 1e6:.0f} MB of weights; bandwidth bound {nbytes / bandwidth * 1e3:.2f} ms; "
+              f"kernel on {'oneDNN' if shared else 'its own'} packed bytes, against {baseline}")
         for rows in args.rows:
             inputs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes}
 
             def onednn():
+                if packed is None:
+                    for w, (_, k) in zip(plain, shapes):
+                        torch.nn.functional.linear(inputs[k], w)
+                    return
                 for p, (_, k) in zip(packed, shapes):
                     torch.ops.mkldnn._linear_pointwise(inputs[k], p, None, "none", [], "")
 
@@ -96,7 +112,7 @@ def main() -> None:
             med = {name: statistics.median(ts) for name, ts in times.items()}
             spread = {name: f"[{min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f}]" for name, ts in times.items()}
             tag = f"{'bf16' if dtype == torch.bfloat16 else 'fp32'}_m{rows}"
-            print(f"M={rows:4d}  oneDNN {med['onednn'] * 1e3:8.2f} ms {spread['onednn']} "
+            print(f"M={rows:4d}  {baseline} {med['onednn'] * 1e3:8.2f} ms {spread['onednn']} "
                   f"({nbytes / med['onednn'] / 1e9:5.1f} GB/s)   decode_gemm {med['native'] * 1e3:8.2f} ms "
                   f"{spread['native']} ({nbytes / med['native'] / 1e9:5.1f} GB/s)   x{med['onednn'] / med['native']:.2f}")
             print(f"RESULT decode_gemm_speedup_{tag} {med['onednn'] / med['native']:.3f}")

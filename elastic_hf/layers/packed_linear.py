@@ -28,7 +28,8 @@ plain copy, and its packed copy is extra, counted memory.
 Packing into oneDNN's allocations needs the plain weight to stay untouched for good, so it is for deployments whose
 weights never change after load: one worker (no TP shards, no pipeline stages, no reshapes). A morphing instance's
 decoder layers pack in their own arena bytes instead (pack_linear_in_place / pack_group_in_place, below)
-(EngineConfig.packed_weights)."""
+(EngineConfig.packed_weights), and so does a bf16 instance on a CPU where oneDNN packs no bf16 (packs_in_place_instead:
+AVX2-only, where our kernel's AVX2 build reads the layout)."""
 from __future__ import annotations
 
 import torch

@@ -1,7 +1,9 @@
 """ctypes binding of decode_gemm.c: a linear's product read straight from the weight oneDNN packed for it
 (layers/packed_linear.py); on the AVX-512 Xeon measured, faster than oneDNN's own inner product at 1-512 rows in bf16
 and at 1-112 rows in fp32, behind it from 128 fp32 rows, where packed linears route to oneDNN
-(layers/packed_linear.py ONEDNN_FP32_FROM_ROWS; benchmarks/decode_gemm.py, benchmarks/RESULTS.md)."""
+(layers/packed_linear.py ONEDNN_FP32_FROM_ROWS; benchmarks/decode_gemm.py, benchmarks/RESULTS.md). On an AVX2-only
+CPU it is built with ymm tiles; oneDNN packs no bf16 there, so bf16 weights are packed in place (`packed_layout`),
+and its fp32 blocking is the kernel's layout for some shapes only (checked per shape, as everywhere)."""
 from __future__ import annotations
 
 import ctypes

@@ -21,7 +21,7 @@ def _dtypes():
 
 def _packings(weight):
     """(name, address, keep-alive) of every packing of `weight` the kernel reads on this CPU: ours always, oneDNN's
-    where its layout is ours."""
+    where its layout is ours (AVX-512; on AVX2 for some fp32 shapes)."""
     n, k = weight.shape
     ours = dg.packed_layout(weight).contiguous()
     out = [("ours", ours.data_ptr(), ours)]
