@@ -104,6 +104,14 @@ AI void prefetch_weight(const NextChunk *pf, int64_t kt, const char *tile, int s
     }
 }
 
+/* The AVX2 tiles (the fp32 one below where there is no AVX-512, the bf16 one where there is no AVX512-BF16): strips
+ * in groups of STRIP_GROUP(rows) (see the AVX2 fp32 tile), and the order of broadcasts and weight loads. */
+#define STRIP_GROUP(rows) ((rows) == 1 ? 4 : (rows) <= 3 ? 2 : 1)
+/* Broadcast every row's input once and stream the group's weight registers past them where accumulators, inputs and
+ * a weight register fit the 16 registers; else (one strip, 6 rows) hold the strip's 2 weight registers and broadcast
+ * row by row: the other order spilled accumulators (32 rows: 77 -> 97 ms). */
+#define BROADCASTS_FIRST(rows, g) ((rows) * (2 * (g) + 1) + 1 <= 16)
+
 /* The AVX2 tiles' version of LOAD_PARTIAL, 8 outputs of one row: zero at the first K chunk, else the sums the
  * previous chunk left in `partial` ([rows][64]). */
 AI __m256 partial_or_zero(const float *partial, int first)
@@ -148,11 +156,6 @@ AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, f
  * 2-3 rows 2 strips, 4-6 rows one; a later group re-reads its bytes of the K chunk from L1, not DRAM (the chunk is
  * cut to 16 KiB: DEFINE_STRIPS's STRIP_BY_STRIP). Strip by strip at 2 rows ran the default model's linears at half
  * the speed of one row (the weight's k-rows read a quarter at a time). Sums in k order in fp32, as the AVX-512 tile. */
-#define STRIP_GROUP(rows) ((rows) == 1 ? 4 : (rows) <= 3 ? 2 : 1)
-/* Broadcast every row's input once and stream the group's weight registers past them where accumulators, inputs and
- * a weight register fit the 16 registers; else (one strip, 6 rows) hold the strip's 2 weight registers and broadcast
- * row by row: the other order spilled accumulators (32 rows: 77 -> 97 ms). */
-#define BROADCASTS_FIRST(rows, g) ((rows) * (2 * (g) + 1) + 1 <= 16)
 
 AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, float *y, int64_t ldy,
                  const float *bias, float *partial, int first, int last, const NextChunk *pf, int s0, const int ns,
@@ -311,8 +314,8 @@ AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t l
 DEFINE_STRIPS(strips_bf16, tile_bf16, uint16_t, float, uint16_t, 32, K_CHUNK_TILES_BF16, 0)
 #elif defined(HAVE_BF16)
 /* AVX2 + FMA: as the AVX-512 tile, a ymm of packed weight (8 outputs x one k-pair) splits into its odd and even
- * halves by a mask and a shift, the odd product first, then the even one, in fp32 FMAs; one row keeps all strips in
- * registers, more rows go strip by strip (see the fp32 tile). The output rounds to nearest even in integer ops
+ * halves by a mask and a shift, the odd product first, then the even one, in fp32 FMAs; strips in groups as the AVX2
+ * fp32 tile takes them (STRIP_GROUP, BROADCASTS_FIRST). The output rounds to nearest even in integer ops
  * (bf16.h's rule, vectorised: no AVX512-BF16 conversion here). */
 AI __m128i f32x8_to_bf16(__m256 v)
 {

@@ -100,7 +100,7 @@ def reads_layout(out_features: int, in_features: int, dtype: torch.dtype) -> boo
 def reads_packed(out_features: int, in_features: int, dtype: torch.dtype, batch_hint: int) -> bool:
     """Whether the kernel can read oneDNN's own packing of an [out, in] `dtype` weight: `reads_layout`, and, checked
     on a random probe of that shape (oneDNN picks a layout per shape, dtype, batch hint and CPU: on an AVX2-only CPU
-    its fp32 blocking is another one, and it packs no bf16 at all), the bytes oneDNN writes equal to
+    its fp32 blocking is another one for some shapes, and it packs no bf16 at all), the bytes oneDNN writes equal to
     `packed_layout`."""
     return reads_layout(out_features, in_features, dtype) and _layout_matches(out_features, in_features, dtype,
                                                                               batch_hint)
