@@ -2,6 +2,13 @@ import os
 
 import pytest
 
+# Under pytest-xdist (the README's test command runs `-n 2`) each pytest worker, and every process it starts
+# (servers, TP/PP workers, examples), gets its share of the cores as torch threads: with torch's default of every
+# core each, OpenMP's spinning threads would burn the CPU the other worker needs (set before torch is imported).
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS))
+
 
 # The smoke tier (`pytest -m smoke`, and all that the standalone copy of tests/test_standalone.py runs): set-up
 # and the package checks, one greedy-equality test per package (tiny and default model, paged attention,
@@ -66,6 +73,11 @@ def pytest_collection_modifyitems(config, items):
         elif ("stress" in item.keywords or item.nodeid.startswith(SLOW_PREFIXES)) \
                 and not item.nodeid.startswith(FAST_REPRESENTATIVES):
             item.add_marker(pytest.mark.slow)
+    # Files with slow tests first, each file kept whole (its module fixtures are built once), the standalone copy (the
+    # longest test, minutes) leading: under pytest-xdist the long tests start while the other worker still has
+    # short ones to take, instead of one of them running alone at the end.
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: (item.path.name != "test_standalone.py", item.path not in slow_files))
     # The standalone copy (tests/test_standalone.py) checks that the repository stands on its own: a clean copy
     # sets itself up and runs the smoke tier, while an audit hook records every file read outside the copy.
     # The whole suite already ran in the outer run; running it twice would cost minutes of CI.
