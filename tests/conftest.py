@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-# Under pytest-xdist (the README's test command runs `-n 2`) each pytest worker, and every process it starts
+# Under pytest-xdist (the README runs the fast tier with `-n 2`) each pytest worker, and every process it starts
 # (servers, TP/PP workers, examples), gets its share of the cores as torch threads: with torch's default of every
 # core each, OpenMP's spinning threads would burn the CPU the other worker needs (set before torch is imported).
 _XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
