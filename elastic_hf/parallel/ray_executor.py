@@ -9,7 +9,9 @@ in parallel/ray_rendezvous.py. Failure semantics are those of the pipe pool (par
 names it and `replace` starts a new one in its bundle, which Ray moves to a live node when the old one is gone;
 where no node has room for the bundle, the replacement runs on the live node with the fewest workers, outside
 the placement group (a CPU worker then shares that node's cores; a GPU worker cannot, and the replacement fails
-with the reason)."""
+with the reason). A placement group none of whose workers lives any more is then removed: Ray's GCS retries an
+unplaceable bundle in a busy loop, a whole core for as long as the group exists (measured: it starved the
+replacement's start past 300 s on a 2-core machine with one other busy process)."""
 from __future__ import annotations
 
 import dataclasses
@@ -173,7 +175,9 @@ class RayExecutor(Executor):
 
     def _bundle_node(self, w: int, wait_s: float = 0.0) -> str | None:
         """The node holding worker w's bundle, waiting up to `wait_s` for Ray to re-place it (when the cluster has
-        the room at all); None: not placed."""
+        the room at all); None: not placed, or w has no bundle any more (_release_unplaced_group)."""
+        if self._bundles[w] is None:
+            return None
         group, index = self._bundles[w]
         if wait_s > 0:
             free = ray.available_resources()
@@ -189,29 +193,51 @@ class RayExecutor(Executor):
                 return None
             time.sleep(0.2)
 
-    def _threads(self, node: str) -> int:
-        """torch threads of a worker on `node`: the configured count, else the node's CPUs shared by the
-        deployment's workers placed there."""
+    def _threads(self, w: int, node: str) -> int:
+        """torch threads of worker w on `node`: the configured count, else the node's CPUs shared by the
+        deployment's workers there (in a bundle placed on it, or running on it outside any group)."""
         if self.config.threads_per_worker:
             return self.config.threads_per_worker
         cpus = next((n["Resources"].get("CPU", 1) for n in ray.nodes() if n["NodeID"] == node), 1)
-        placed = [placement_group_table(group).get("bundles_to_node_id", {}) for group in self.groups]  # one read each
-        here = sum(1 for group, index in self._bundles if placed[self.groups.index(group)].get(index) == node)
-        return max(1, int(cpus) // max(1, here))
+        placed = {id(group): placement_group_table(group).get("bundles_to_node_id", {})  # one read each
+                  for group in self.groups}
+        here = {v for v, bundle in enumerate(self._bundles)
+                if bundle is not None and placed[id(bundle[0])].get(bundle[1]) == node}
+        here |= {v for v, where in enumerate(self._where) if where.get("node_id") == node}
+        here.add(w)
+        return max(1, int(cpus) // len(here))
 
-    def _spawn(self, w: int, world, config: EngineConfig, wait_s: float = 0.0):
-        group, index = self._bundles[w]
+    def _spawn(self, w: int, world, config: EngineConfig, wait_s: float = 0.0, replacing: Iterable[int] = ()):
         node = self._bundle_node(w, wait_s)
         options = {"num_gpus": 1 if config.device.startswith("cuda") else 0, "max_restarts": 0}
         if node is not None:
+            group, index = self._bundles[w]
             options.update(num_cpus=self._bundle()["CPU"], scheduling_strategy=PlacementGroupSchedulingStrategy(
                 group, placement_group_bundle_index=index))
         else:
             node = self._fallback_node(w)
+            self._release_unplaced_group(w, set(replacing))
             options.update(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
         stores = self.stores.for_node(node) if self.stores is not None else None
         return RayWorker.options(**options).remote(config, self.checkpoint_dir, w, self.model_id, stores, world,
-                                                   self._threads(node))
+                                                   self._threads(w, node))
+
+    def _release_unplaced_group(self, w: int, replacing: set[int]) -> None:
+        """Remove worker w's placement group when it could not be re-placed and each of its workers is being
+        replaced (none runs in it any more; removing a group ends the actors in it): Ray's GCS would otherwise
+        retry the unplaceable bundle in a busy loop, taking a core from the replacements. A group that still holds
+        a live worker (SPREAD placement) stays, and so does that cost, until a node with room joins."""
+        if self._bundles[w] is None:
+            return
+        group = self._bundles[w][0]
+        members = [v for v, bundle in enumerate(self._bundles) if bundle is not None and bundle[0] is group]
+        if not set(members) <= replacing:
+            return
+        remove_placement_group(group)
+        self.groups.remove(group)
+        for v in members:
+            self._bundles[v] = None
+        log.warning("placement group of worker(s) %s removed: no live node has room for it", members)
 
     def _fallback_node(self, w: int) -> str:
         if self.config.device.startswith("cuda"):
@@ -315,7 +341,7 @@ class RayExecutor(Executor):
             self._watch.pop(w, None)
             self._latest_call.pop(w, None)
             ray.kill(self._actors[w], no_restart=True)
-            self._actors[w] = self._spawn(w, world, config, wait_s=REBUNDLE_WAIT_S)
+            self._actors[w] = self._spawn(w, world, config, wait_s=REBUNDLE_WAIT_S, replacing=dead)
         self._started(dead, "start", rejoins)
 
     # ------------------------------------------------------------------ views and control

@@ -24,6 +24,7 @@ def big_body_server(serving_checkpoint):
         yield handle
 
 
+@pytest.mark.serial   # its bound compares stream gaps during the flood with those before it
 def test_stream_gaps_hold_while_over_long_prompts_are_rejected(big_body_server):
     server = big_body_server
     arrivals: list[float] = []
