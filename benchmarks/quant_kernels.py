@@ -3,7 +3,7 @@
 For every shape (out x in) of SmolLM2-135M's decoder linears and M in {1, 16, 256} tokens, times
   fp32   x @ W^T                               (torch.nn.functional.linear)
   bf16   the same in bf16
-  w8     per-output-channel int8                (native/quant_gemm.c on AVX-512 CPUs, else aten._weight_int8pack_mm)
+  w8     per-output-channel int8                (native/quant_gemm.c on AVX-512 / AVX2 CPUs, else aten's int8 pack)
   w4     group-wise uint4, --group-size         (native/quant_gemm.c, else aten._weight_int4pack_mm[_for_cpu])
 through the W8Linear / W4Linear modules (ELASTIC_HF_QUANT_GEMM=0: aten's kernels everywhere), and prints the bytes of each variant. Ratios are fp32 time / variant
 time (> 1: the variant is faster). Ends with

@@ -20,4 +20,23 @@ static inline uint16_t f32_to_bf16(float f)
     return (uint16_t)(u.i >> 16);
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* 8 fp32 lanes -> 8 bf16, f32_to_bf16's rule in integer ops (an AVX2 CPU has no bf16 conversion instruction) */
+static inline __attribute__((always_inline)) __m128i f32x8_to_bf16(__m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
+                                              16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);          /* [8] 32-bit lanes, each < 2^16 */
+    /* packus interleaves the two 128-bit lanes: qwords 0 and 2 hold outputs 0-3 and 4-7 */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+#endif
+
 #endif

@@ -107,6 +107,9 @@ AI void prefetch_weight(const NextChunk *pf, int64_t kt, const char *tile, int s
 /* The AVX2 tiles (the fp32 one below where there is no AVX-512, the bf16 one where there is no AVX512-BF16): strips
  * in groups of STRIP_GROUP(rows) (see the AVX2 fp32 tile), and the order of broadcasts and weight loads. */
 #define STRIP_GROUP(rows) ((rows) == 1 ? 4 : (rows) <= 3 ? 2 : 1)
+/* Every loop of the AVX2 tiles over rows and vectors is unrolled: otherwise gcc 12 kept their accumulator arrays in
+ * memory, a store of each per k (native/quant_gemm.c's AVX2 tiles ran at half speed that way). */
+#define UNROLL _Pragma("GCC unroll 8")
 /* Broadcast every row's input once and stream the group's weight registers past them where accumulators, inputs and
  * a weight register fit the 16 registers; else (one strip, 6 rows) hold the strip's 2 weight registers and broadcast
  * row by row: the other order spilled accumulators (32 rows: 77 -> 97 ms). */
@@ -166,8 +169,8 @@ AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, f
         const int g = ns - j0 < group ? ns - j0 : group;   /* strips in this group */
         const int c = 16 * (s0 + j0);                       /* the group's first output in the block */
         __m256 acc[ROW_TILE][STRIPS_PER_BLOCK * 2];
-        for (int m = 0; m < rows; m++)
-            for (int v = 0; v < 2 * g; v++) acc[m][v] = partial_or_zero(partial + m * 64 + c + 8 * v, first);
+        UNROLL for (int m = 0; m < rows; m++)
+            UNROLL for (int v = 0; v < 2 * g; v++) acc[m][v] = partial_or_zero(partial + m * 64 + c + 8 * v, first);
         for (int64_t kt = 0; kt < k_tiles; kt++) {
             const float *tile = w + kt * 16 * 64;           /* [16 k][64 n] */
             if (j0 == 0) prefetch_weight(pf, kt, (const char *)tile, s0);
@@ -175,23 +178,23 @@ AI void tile_f32(const float *w, int64_t k_tiles, const float *x, int64_t ldx, f
                 const int64_t k = kt * 16 + kk;
                 if (BROADCASTS_FIRST(rows, g)) {
                     __m256 xb[ROW_TILE];
-                    for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(x + m * ldx + k);
-                    for (int v = 0; v < 2 * g; v++) {
+                    UNROLL for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(x + m * ldx + k);
+                    UNROLL for (int v = 0; v < 2 * g; v++) {
                         const __m256 wv = _mm256_loadu_ps(tile + kk * 64 + c + 8 * v);
-                        for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
+                        UNROLL for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
                     }
                 } else {
                     __m256 wv[2];
-                    for (int v = 0; v < 2; v++) wv[v] = _mm256_loadu_ps(tile + kk * 64 + c + 8 * v);
-                    for (int m = 0; m < rows; m++) {
+                    UNROLL for (int v = 0; v < 2; v++) wv[v] = _mm256_loadu_ps(tile + kk * 64 + c + 8 * v);
+                    UNROLL for (int m = 0; m < rows; m++) {
                         const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
-                        for (int v = 0; v < 2; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
+                        UNROLL for (int v = 0; v < 2; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
                     }
                 }
             }
         }
-        for (int m = 0; m < rows; m++)
-            for (int v = 0; v < 2 * g; v++) {
+        UNROLL for (int m = 0; m < rows; m++)
+            UNROLL for (int v = 0; v < 2 * g; v++) {
                 if (!last) _mm256_storeu_ps(partial + m * 64 + c + 8 * v, acc[m][v]);
                 else _mm256_storeu_ps(y + m * ldy + c + 8 * v,
                                       bias ? _mm256_add_ps(acc[m][v], _mm256_loadu_ps(bias + c + 8 * v)) : acc[m][v]);
@@ -316,21 +319,7 @@ DEFINE_STRIPS(strips_bf16, tile_bf16, uint16_t, float, uint16_t, 32, K_CHUNK_TIL
 /* AVX2 + FMA: as the AVX-512 tile, a ymm of packed weight (8 outputs x one k-pair) splits into its odd and even
  * halves by a mask and a shift, the odd product first, then the even one, in fp32 FMAs; strips in groups as the AVX2
  * fp32 tile takes them (STRIP_GROUP, BROADCASTS_FIRST). The output rounds to nearest even in integer ops
- * (bf16.h's rule, vectorised: no AVX512-BF16 conversion here). */
-AI __m128i f32x8_to_bf16(__m256 v)
-{
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
-                                              16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
-    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);          /* [8] 32-bit lanes, each < 2^16 */
-    /* packus interleaves the two 128-bit lanes: qwords 0 and 2 hold outputs 0-3 and 4-7 */
-    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
-}
-
+ * (bf16.h's f32x8_to_bf16: no AVX512-BF16 conversion here). */
 AI __m256 bf16x8_to_f32(const uint16_t *v)
 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)v)), 16));
@@ -351,8 +340,8 @@ AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t l
         const int g = ns - j0 < group ? ns - j0 : group;
         const int c = 16 * (s0 + j0);
         __m256 acc[ROW_TILE][STRIPS_PER_BLOCK * 2];
-        for (int m = 0; m < rows; m++)
-            for (int v = 0; v < 2 * g; v++) acc[m][v] = partial_or_zero(partial + m * 64 + c + 8 * v, first);
+        UNROLL for (int m = 0; m < rows; m++)
+            UNROLL for (int v = 0; v < 2 * g; v++) acc[m][v] = partial_or_zero(partial + m * 64 + c + 8 * v, first);
         for (int64_t kt = 0; kt < k_tiles; kt++) {
             const uint16_t *tile = w + kt * 16 * 64 * 2;      /* [16 k-pairs][64 n][2] */
             if (j0 == 0) prefetch_weight(pf, kt, (const char *)tile, s0);
@@ -361,39 +350,39 @@ AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t l
                 const uint16_t *row = tile + (kp * 64 + c) * 2;   /* 8 outputs x one k-pair a ymm */
                 if (BROADCASTS_FIRST(rows, g)) {
                     __m256 xb[ROW_TILE];
-                    for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(xf + m * ldx + k + 1);
-                    for (int v = 0; v < 2 * g; v++) {                                /* W[n, 2kp + 1] */
+                    UNROLL for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(xf + m * ldx + k + 1);
+                    UNROLL for (int v = 0; v < 2 * g; v++) {                                /* W[n, 2kp + 1] */
                         const __m256 wv = _mm256_castsi256_ps(
                             _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(row + 16 * v)), high));
-                        for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
+                        UNROLL for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
                     }
-                    for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(xf + m * ldx + k);
-                    for (int v = 0; v < 2 * g; v++) {                                /* W[n, 2kp] */
+                    UNROLL for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(xf + m * ldx + k);
+                    UNROLL for (int v = 0; v < 2 * g; v++) {                                /* W[n, 2kp] */
                         const __m256 wv = _mm256_castsi256_ps(
                             _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * v)), 16));
-                        for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
+                        UNROLL for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
                     }
                 } else {
                     __m256 wv[2];
-                    for (int v = 0; v < 2; v++)
+                    UNROLL for (int v = 0; v < 2; v++)
                         wv[v] = _mm256_castsi256_ps(
                             _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(row + 16 * v)), high));
-                    for (int m = 0; m < rows; m++) {
+                    UNROLL for (int m = 0; m < rows; m++) {
                         const __m256 xb = _mm256_broadcast_ss(xf + m * ldx + k + 1);
-                        for (int v = 0; v < 2; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
+                        UNROLL for (int v = 0; v < 2; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
                     }
-                    for (int v = 0; v < 2; v++)
+                    UNROLL for (int v = 0; v < 2; v++)
                         wv[v] = _mm256_castsi256_ps(
                             _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * v)), 16));
-                    for (int m = 0; m < rows; m++) {
+                    UNROLL for (int m = 0; m < rows; m++) {
                         const __m256 xb = _mm256_broadcast_ss(xf + m * ldx + k);
-                        for (int v = 0; v < 2; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
+                        UNROLL for (int v = 0; v < 2; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
                     }
                 }
             }
         }
-        for (int m = 0; m < rows; m++)
-            for (int v = 0; v < 2 * g; v++) {
+        UNROLL for (int m = 0; m < rows; m++)
+            UNROLL for (int v = 0; v < 2 * g; v++) {
                 if (!last) _mm256_storeu_ps(partial + m * 64 + c + 8 * v, acc[m][v]);
                 else store_bf16(y + m * ldy + c + 8 * v, acc[m][v], bias ? bias + c + 8 * v : NULL);
             }

@@ -22,16 +22,17 @@
  * widening as it goes (W8: 6 rows x 4 strips of accumulators; W4, which also holds its group's scales and zeros: 4
  * rows); the first tile streams the weight from DRAM, later ones read it again from L2. Many rows: K in chunks of 64,
  * each widened once into the panel (16 KiB) and run by every row tile, their sums kept between chunks in memory.
+ * Two builds of the tiles: AVX-512 (a strip is one zmm) and AVX2 + FMA (a strip is two ymm, strips in smaller
+ * groups: see the AVX2 section); same layouts, same arithmetic.
  *
  * Rounding: fp32 sums in k order; W8 multiplies the sum by the channel's scale, W4 dequantizes each weight with one
- * FMA (q * scale + (zero - 8 * scale), the offset rounded once a group) before it; the bias is added and a bf16 output rounded to nearest even once. */
+ * FMA (q * scale + (zero - 8 * scale), the offset rounded once a group) before it; the bias is added and a bf16
+ * output rounded to nearest even once. */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "bf16.h"
 
-#define ROW_TILE 6
-#define ROW_TILE_W4 4
 #define STRIPS_PER_BLOCK 4       /* 64 outputs a block, 16 a strip */
 #define ROW_CHUNK 256            /* rows per pass: bounds the partial sums (and bf16's widened x) at 256 rows */
 #define PANEL_K 64               /* k per widened panel: 64 x 64 floats = 16 KiB, in L1 */
@@ -39,6 +40,23 @@
 #define PREFETCH_LINES 8         /* the first row tile prefetches this many k-rows ahead into L2 */
 
 #if defined(__AVX512F__)
+#define QG_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QG_AVX2 1
+#endif
+
+/* Rows a tile (W4's also holds its group's scales and offsets): AVX-512 has 32 registers, AVX2 16 (see the AVX2
+ * section). */
+#if defined(QG_AVX512)
+#define ROW_TILE 6
+#define ROW_TILE_W4 4
+#else
+#define ROW_TILE 3
+#define ROW_TILE_W4 4
+#endif
+
+#if defined(QG_AVX512) || defined(QG_AVX2)
+#define HAVE_QUANT_GEMM 1
 #include <immintrin.h>
 
 #define AI static inline __attribute__((always_inline))
@@ -52,6 +70,8 @@ typedef struct {
     int64_t n;                   /* N (the row stride of sz) */
     const float *bias;           /* [N] fp32 or NULL */
 } QuantWeight;
+
+#if defined(QG_AVX512)
 
 /* 16 fp32 lanes -> 16 bf16, rounded to nearest even, NaN kept quiet (bf16.h's f32_to_bf16, vectorised: no
  * AVX512-BF16 instruction needed) */
@@ -210,7 +230,204 @@ AI void tile_panel(const float *panel, int64_t kn, const float *x, int64_t ldx, 
     store_tile(acc, y, ldy, y_bf16, scale, bias, s0, ns, rows);
 }
 
+#else
+/* ------------------------------------------------------------------------------------------------ AVX2 + FMA */
+/* The same walks with 16 ymm registers: a strip of 16 outputs is 2 ymm of 8, so 4 strips x 6 rows of accumulators
+ * do not fit. Tiles of up to 3 rows (ROW_TILE), the strips in groups that keep the accumulators, the rows' broadcast
+ * inputs and one weight register within 16: W8 and the panel one row 4 strips (8 + 1 + 1), 2-3 rows 2 (12 + 3 + 1).
+ * W4 also holds each vector's scale and offset, and its tiles take up to 4 rows (ROW_TILE_W4: the unpacking, redone
+ * by every row tile, is its larger cost): one row 2 strips (4 + 1 + 8 + 1), 2-4 rows one strip (4 rows: 8 + 4 held,
+ * the strip's 2 weight registers held and the rows broadcast in turn). A later group re-reads the block's k-rows (the
+ * panel's) from cache, not DRAM. The arithmetic is the AVX-512 tiles' (same FMAs in the same k order), so both give
+ * the same bits. Every loop over rows and vectors is unrolled (UNROLL): otherwise gcc 12 kept the accumulator arrays
+ * in memory, a store of each per k (1536 x 576, 256 rows, 2 threads: 51 -> 100 GFLOP/s for W8). */
+#define UNROLL _Pragma("GCC unroll 8")
+#define STRIP_GROUP_W8(rows) ((rows) == 1 ? 4 : 2)
+#define STRIP_GROUP_W4(rows) ((rows) == 1 ? 2 : 1)
+
+/* Outputs o .. o + 7 of one W8 k-row (64 bytes), widened */
+AI __m256 w8_vec(const uint8_t *row, int o)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + o))));
+}
+
+/* The values q of outputs o .. o + 7 (o a multiple of 8) of one W4 k-row (32 bytes), widened: outputs below 32 are
+ * the low nibbles of bytes o .., the others the high nibbles of bytes o - 32 .. */
+AI __m256 w4_vec(const uint8_t *row, int o)
+{
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + (o & 31))));
+    v = o < 32 ? _mm256_and_si256(v, _mm256_set1_epi32(15)) : _mm256_srli_epi32(v, 4);
+    return _mm256_cvtepi32_ps(v);
+}
+
+/* w4_group's scale and offset for 8 outputs from n0: shuffle_ps takes the even (scale) or odd (zero) floats of two
+ * ymm of (scale, zero) pairs, lane by lane ([s0 s1 s4 s5 | s2 s3 s6 s7]); permute4x64 puts their halves in order */
+AI void w4_group8(const QuantWeight *qw, int64_t grp, int64_t n0, __m256 *s, __m256 *z)
+{
+    const float *p = qw->sz + (grp * qw->n + n0) * 2;
+    const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+    const __m256d even = _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88));
+    const __m256d odd = _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD));
+    const __m256 scale = _mm256_castpd_ps(_mm256_permute4x64_pd(even, 0xD8));
+    const __m256 zero = _mm256_castpd_ps(_mm256_permute4x64_pd(odd, 0xD8));
+    *s = scale;
+    *z = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
+}
+
+/* One row's 8 results at output o of the block: times the W8 scale (NULL: none), plus the bias, fp32 or bf16 */
+AI void store_vec(__m256 acc, void *y, int64_t at, int y_bf16, const float *scale, const float *bias, int o)
+{
+    const __m256 b = bias ? _mm256_loadu_ps(bias + o) : _mm256_setzero_ps();
+    const __m256 v = scale ? _mm256_fmadd_ps(acc, _mm256_loadu_ps(scale + o), b) : _mm256_add_ps(acc, b);
+    if (y_bf16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)y + at), f32x8_to_bf16(v));
+    else
+        _mm256_storeu_ps((float *)y + at, v);
+}
+
+/* ------------------------------------------------------------------------------------------- few rows: direct */
+AI void tile_w8(const uint8_t *w, int64_t k_tiles, const float *x, int64_t ldx, void *y, int64_t ldy, int y_bf16,
+                const float *scale, const float *bias, int prefetch, int s0, const int ns, const int rows)
+{
+    const int group = STRIP_GROUP_W8(rows);
+    for (int j0 = 0; j0 < ns; j0 += group) {
+        const int g = ns - j0 < group ? ns - j0 : group;   /* strips in this group */
+        const int c = 16 * (s0 + j0);                       /* its first output in the block */
+        __m256 acc[ROW_TILE][2 * STRIPS_PER_BLOCK];
+        UNROLL for (int m = 0; m < rows; m++)
+            UNROLL for (int v = 0; v < 2 * g; v++) acc[m][v] = _mm256_setzero_ps();
+        for (int64_t kt = 0; kt < k_tiles; kt++) {
+            const uint8_t *tile = w + kt * 16 * 64;
+            if (prefetch && j0 == 0)
+                for (int r = 0; r < 16; r++) _mm_prefetch((const char *)tile + (PREFETCH_LINES + r) * 64, _MM_HINT_T1);
+            for (int kk = 0; kk < 16; kk++) {
+                const uint8_t *row = tile + kk * 64;
+                const float *xk = x + kt * 16 + kk;
+                __m256 xb[ROW_TILE];
+                UNROLL for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(xk + m * ldx);
+                UNROLL for (int v = 0; v < 2 * g; v++) {
+                    const __m256 wv = w8_vec(row, c + 8 * v);
+                    UNROLL for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
+                }
+            }
+        }
+        UNROLL for (int m = 0; m < rows; m++)
+            UNROLL for (int v = 0; v < 2 * g; v++)
+                store_vec(acc[m][v], y, m * ldy + c + 8 * v, y_bf16, scale, bias, c + 8 * v);
+    }
+}
+
+AI void tile_w4(const uint8_t *w, int64_t k_tiles, const QuantWeight *qw, int64_t n0, const float *x, int64_t ldx,
+                void *y, int64_t ldy, int y_bf16, const float *bias, int prefetch, int s0, const int ns,
+                const int rows)
+{
+    const int group = STRIP_GROUP_W4(rows);
+    for (int j0 = 0; j0 < ns; j0 += group) {
+        const int g = ns - j0 < group ? ns - j0 : group;
+        const int c = 16 * (s0 + j0);
+        __m256 acc[ROW_TILE_W4][4], s[4], z[4];
+        for (int v = 0; v < 4; v++) s[v] = z[v] = _mm256_setzero_ps();   /* set at kt 0; gcc cannot see it */
+        UNROLL for (int m = 0; m < rows; m++)
+            UNROLL for (int v = 0; v < 2 * g; v++) acc[m][v] = _mm256_setzero_ps();
+        for (int64_t kt = 0; kt < k_tiles; kt++) {
+            if (kt % qw->group_tiles == 0)
+                UNROLL for (int v = 0; v < 2 * g; v++)
+                    w4_group8(qw, kt / qw->group_tiles, n0 + c + 8 * v, &s[v], &z[v]);
+            const uint8_t *tile = w + kt * 16 * 32;
+            if (prefetch && j0 == 0)
+                for (int r = 0; r < 16; r += 2)
+                    _mm_prefetch((const char *)tile + (PREFETCH_LINES + r) * 64, _MM_HINT_T1);
+            for (int kk = 0; kk < 16; kk++) {
+                const uint8_t *row = tile + kk * 32;
+                const float *xk = x + kt * 16 + kk;
+                if (g == 1 && rows * 3 + 4 + 1 > 16) {   /* 4 rows: the inputs do not fit beside what is held */
+                    const __m256 wv[2] = {_mm256_fmadd_ps(w4_vec(row, c), s[0], z[0]),
+                                          _mm256_fmadd_ps(w4_vec(row, c + 8), s[1], z[1])};
+                    UNROLL for (int m = 0; m < rows; m++) {   /* its two weight registers held, rows in turn */
+                        const __m256 xb = _mm256_broadcast_ss(xk + m * ldx);
+                        UNROLL for (int v = 0; v < 2; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
+                    }
+                } else {
+                    __m256 xb[ROW_TILE_W4];
+                    UNROLL for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(xk + m * ldx);
+                    UNROLL for (int v = 0; v < 2 * g; v++) {
+                        const __m256 wv = _mm256_fmadd_ps(w4_vec(row, c + 8 * v), s[v], z[v]);
+                        UNROLL for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
+                    }
+                }
+            }
+        }
+        UNROLL for (int m = 0; m < rows; m++)
+            UNROLL for (int v = 0; v < 2 * g; v++)
+                store_vec(acc[m][v], y, m * ldy + c + 8 * v, y_bf16, NULL, bias, c + 8 * v);
+    }
+}
+
+/* -------------------------------------------------------------------------------------------- many rows: panel */
+AI void widen_panel(const QuantWeight *qw, const uint8_t *w, int64_t n0, int64_t kt0, int64_t kts, float *panel,
+                    int s0, int ns)
+{
+    for (int64_t kt = 0; kt < kts; kt++) {
+        for (int o = 16 * s0; o < 16 * (s0 + ns); o += 8) {
+            if (qw->bits == 8) {
+                for (int kk = 0; kk < 16; kk++)
+                    _mm256_store_ps(panel + (kt * 16 + kk) * 64 + o, w8_vec(w + ((kt0 + kt) * 16 + kk) * 64, o));
+                continue;
+            }
+            __m256 s, z;
+            w4_group8(qw, (kt0 + kt) / qw->group_tiles, n0 + o, &s, &z);
+            for (int kk = 0; kk < 16; kk++)
+                _mm256_store_ps(panel + (kt * 16 + kk) * 64 + o,
+                                _mm256_fmadd_ps(w4_vec(w + ((kt0 + kt) * 16 + kk) * 32, o), s, z));
+        }
+    }
+}
+
+/* One group of g strips from output c of the block (g a constant in every instance: its accumulators stay in
+ * registers) */
+AI void panel_group(const float *panel, int64_t kn, const float *x, int64_t ldx, void *y, int64_t ldy, int y_bf16,
+                    const float *scale, const float *bias, float *partial, int first, int last, int c, const int g,
+                    const int rows)
+{
+    __m256 acc[ROW_TILE][2 * STRIPS_PER_BLOCK];
+    UNROLL for (int m = 0; m < rows; m++)
+        UNROLL for (int v = 0; v < 2 * g; v++)
+            acc[m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + m * 64 + c + 8 * v);
+    for (int64_t k = 0; k < kn; k++) {
+        const float *pk = panel + k * 64 + c;
+        __m256 xb[ROW_TILE];
+        UNROLL for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(x + m * ldx + k);
+        UNROLL for (int v = 0; v < 2 * g; v++) {
+            const __m256 wv = _mm256_load_ps(pk + 8 * v);
+            UNROLL for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
+        }
+    }
+    UNROLL for (int m = 0; m < rows; m++)
+        UNROLL for (int v = 0; v < 2 * g; v++) {
+            if (!last) _mm256_storeu_ps(partial + m * 64 + c + 8 * v, acc[m][v]);
+            else store_vec(acc[m][v], y, m * ldy + c + 8 * v, y_bf16, scale, bias, c + 8 * v);
+        }
+}
+
+AI void tile_panel(const float *panel, int64_t kn, const float *x, int64_t ldx, void *y, int64_t ldy, int y_bf16,
+                   const float *scale, const float *bias, float *partial, int first, int last, int s0, const int ns,
+                   const int rows)
+{
+    const int group = STRIP_GROUP_W8(rows);
+    for (int j0 = 0; j0 < ns; j0 += group) {
+        const int c = 16 * (s0 + j0);
+        if (ns - j0 >= group)
+            panel_group(panel, kn, x, ldx, y, ldy, y_bf16, scale, bias, partial, first, last, c, group, rows);
+        else   /* the block's last strips, fewer than a group */
+            for (int j = j0; j < ns; j++)
+                panel_group(panel, kn, x, ldx, y, ldy, y_bf16, scale, bias, partial, first, last, 16 * (s0 + j), 1,
+                            rows);
+    }
+}
+#endif
+
 /* dispatch to an instance with constant strip and row counts, so every loop above unrolls into registers */
+#if defined(QG_AVX512)
 #define DISPATCH_ROWS(FN, NS, ...) \
     switch (rows) { case 1: FN(__VA_ARGS__, NS, 1); break; case 2: FN(__VA_ARGS__, NS, 2); break; \
                     case 3: FN(__VA_ARGS__, NS, 3); break; case 4: FN(__VA_ARGS__, NS, 4); break; \
@@ -218,6 +435,14 @@ AI void tile_panel(const float *panel, int64_t kn, const float *x, int64_t ldx, 
 #define DISPATCH_ROWS4(FN, NS, ...) \
     switch (rows) { case 1: FN(__VA_ARGS__, NS, 1); break; case 2: FN(__VA_ARGS__, NS, 2); break; \
                     case 3: FN(__VA_ARGS__, NS, 3); break; default: FN(__VA_ARGS__, NS, 4); break; }
+#else
+#define DISPATCH_ROWS(FN, NS, ...) \
+    switch (rows) { case 1: FN(__VA_ARGS__, NS, 1); break; case 2: FN(__VA_ARGS__, NS, 2); break; \
+                    default: FN(__VA_ARGS__, NS, 3); break; }
+#define DISPATCH_ROWS4(FN, NS, ...) \
+    switch (rows) { case 1: FN(__VA_ARGS__, NS, 1); break; case 2: FN(__VA_ARGS__, NS, 2); break; \
+                    case 3: FN(__VA_ARGS__, NS, 3); break; default: FN(__VA_ARGS__, NS, 4); break; }
+#endif
 #define DISPATCH(ROWS, FN, ...) \
     switch (ns) { case 1: ROWS(FN, 1, __VA_ARGS__) break; case 2: ROWS(FN, 2, __VA_ARGS__) break; \
                   case 3: ROWS(FN, 3, __VA_ARGS__) break; default: ROWS(FN, 4, __VA_ARGS__) break; }
@@ -283,7 +508,7 @@ int elastic_quant_gemm(const void *x, int64_t ldx, int x_bf16, const uint8_t *w,
                        const float *sz, int64_t group, const float *bias, void *y, int64_t ldy, int64_t m, int64_t n,
                        int64_t k, int threads)
 {
-#if defined(__AVX512F__)
+#if defined(HAVE_QUANT_GEMM)
     if (m < 1 || n % 64 || k % 16 || (bits != 8 && bits != 4) || (bits == 4 && (group < 16 || group % 16 ||
                                                                                    k % group)))
         return -1;
@@ -335,10 +560,10 @@ int elastic_quant_gemm(const void *x, int64_t ldx, int x_bf16, const uint8_t *w,
 #endif
 }
 
-/* Whether this build has the kernel at all (a CPU without AVX-512 compiles it out). */
+/* Whether this build has the kernel at all (a CPU without AVX-512 or AVX2 + FMA compiles it out). */
 int elastic_quant_gemm_has(void)
 {
-#if defined(__AVX512F__)
+#if defined(HAVE_QUANT_GEMM)
     return 1;
 #else
     return 0;

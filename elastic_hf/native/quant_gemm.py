@@ -29,7 +29,7 @@ def quant_gemm_enabled() -> bool:
 def _kernel():
     has = bind("quant_gemm", "elastic_quant_gemm_has", [], _int)
     if has is None or not has():
-        return None          # native kernels off, no compiler, or a CPU without AVX-512
+        return None          # native kernels off, no compiler, or a CPU with neither AVX-512 nor AVX2 + FMA
     return bind("quant_gemm", "elastic_quant_gemm", _SIGNATURE, _int)
 
 

@@ -13,7 +13,7 @@ from elastic_hf.layers.w4_linear import W4Linear
 from elastic_hf.layers.w8_linear import W8Linear
 from elastic_hf.native import quant_gemm as wg
 
-pytestmark = pytest.mark.skipif(not wg.quant_gemm_supports(64, 16, "cpu"), reason="no AVX-512 (or native kernels off)")
+pytestmark = pytest.mark.skipif(not wg.quant_gemm_supports(64, 16, "cpu"), reason="no AVX-512 or AVX2 + FMA (or native kernels off)")
 
 W8 = QuantScheme.create("w8")
 
