@@ -77,11 +77,11 @@ class W4Linear(nn.Module):
     """y = x @ W4^T + bias with W4 group-wise uint4 (no fp weight kept).
 
     On an AVX-512 or AVX2 + FMA CPU (shapes in whole 64-output blocks, K and the group in 16-wide tiles)
-    `weight_packed` holds our blocked nibble layout [out/64, in/16, 16, 32] and native/quant_gemm.c multiplies in fp32 (vs the dequantized
-    reference: relative error ~1e-6 for fp32 activations; bf16 ones get one rounding of the output). Elsewhere it
-    holds aten's int4-pack layout and aten's kernel runs, with activations and scales cast to bf16 at the boundary
-    (see kernel_dtype.py: on CPU the bf16 path is the vectorized one, on CUDA the kernel needs it) and the output
-    cast back; vs the reference: relative error ~4e-3 from bf16 rounding."""
+    `weight_packed` holds our blocked nibble layout [out/64, in/16, 16, 32] and native/quant_gemm.c multiplies in
+    fp32 (vs the dequantized reference: relative error ~1e-6 for fp32 activations; bf16 ones get one rounding of the
+    output). Elsewhere it holds aten's int4-pack layout and aten's kernel runs, with activations and scales cast to
+    bf16 at the boundary (see kernel_dtype.py: on CPU the bf16 path is the vectorized one, on CUDA the kernel needs
+    it) and the output cast back; vs the reference: relative error ~4e-3 from bf16 rounding."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int, has_bias: bool, device=None):
         super().__init__()

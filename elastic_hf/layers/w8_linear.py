@@ -14,12 +14,12 @@ class W8Linear(nn.Module):
     """y = x @ (q * scale)^T + bias with q int8 [out, in] (no fp weight kept).
 
     On an AVX-512 or AVX2 + FMA CPU (shapes in whole 64-output blocks, K a multiple of 16) `qweight` is held in the
-    kernel's blocked layout [out/64, in/16, 16, 64] and multiplied by native/quant_gemm.c in fp32: fp32 models stay fp32 (vs the
-    dequantized reference: relative error ~1e-6), bf16 ones get one rounding of the output; at decode's few rows it
-    reads a quarter of an fp32 weight's bytes, at a prefill's hundreds of rows it runs near the fp32 product's rate
-    (aten's int8-pack kernel: 0.4x at 256 rows). The state dict always holds the plain [out, in] form, so cached
-    variants and checkpoints do not depend on the CPU. Elsewhere (CUDA, other CPUs or shapes) the aten kernel runs
-    on the plain layout with activations cast to bf16 at the boundary (relative error ~3e-3 from bf16 rounding)."""
+    kernel's blocked layout [out/64, in/16, 16, 64] and multiplied by native/quant_gemm.c in fp32: fp32 models stay
+    fp32 (vs the dequantized reference: relative error ~1e-6), bf16 ones get one rounding of the output; at decode's
+    few rows it reads a quarter of an fp32 weight's bytes, at a prefill's hundreds of rows it runs near the fp32
+    product's rate (aten's int8-pack kernel: 0.4x at 256 rows). The state dict always holds the plain [out, in]
+    form, so cached variants and checkpoints do not depend on the CPU. Elsewhere (CUDA, other CPUs or shapes) the
+    aten kernel runs on the plain layout with activations cast to bf16 at the boundary (relative error ~3e-3 from bf16 rounding)."""
 
     scheme = QuantScheme(quant="w8", group_size=None)
 

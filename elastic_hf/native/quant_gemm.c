@@ -383,45 +383,32 @@ AI void widen_panel(const QuantWeight *qw, const uint8_t *w, int64_t n0, int64_t
     }
 }
 
-/* One group of g strips from output c of the block (g a constant in every instance: its accumulators stay in
- * registers) */
-AI void panel_group(const float *panel, int64_t kn, const float *x, int64_t ldx, void *y, int64_t ldy, int y_bf16,
-                    const float *scale, const float *bias, float *partial, int first, int last, int c, const int g,
-                    const int rows)
-{
-    __m256 acc[ROW_TILE][2 * STRIPS_PER_BLOCK];
-    UNROLL for (int m = 0; m < rows; m++)
-        UNROLL for (int v = 0; v < 2 * g; v++)
-            acc[m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + m * 64 + c + 8 * v);
-    for (int64_t k = 0; k < kn; k++) {
-        const float *pk = panel + k * 64 + c;
-        __m256 xb[ROW_TILE];
-        UNROLL for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(x + m * ldx + k);
-        UNROLL for (int v = 0; v < 2 * g; v++) {
-            const __m256 wv = _mm256_load_ps(pk + 8 * v);
-            UNROLL for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
-        }
-    }
-    UNROLL for (int m = 0; m < rows; m++)
-        UNROLL for (int v = 0; v < 2 * g; v++) {
-            if (!last) _mm256_storeu_ps(partial + m * 64 + c + 8 * v, acc[m][v]);
-            else store_vec(acc[m][v], y, m * ldy + c + 8 * v, y_bf16, scale, bias, c + 8 * v);
-        }
-}
-
 AI void tile_panel(const float *panel, int64_t kn, const float *x, int64_t ldx, void *y, int64_t ldy, int y_bf16,
                    const float *scale, const float *bias, float *partial, int first, int last, int s0, const int ns,
                    const int rows)
 {
     const int group = STRIP_GROUP_W8(rows);
     for (int j0 = 0; j0 < ns; j0 += group) {
+        const int g = ns - j0 < group ? ns - j0 : group;
         const int c = 16 * (s0 + j0);
-        if (ns - j0 >= group)
-            panel_group(panel, kn, x, ldx, y, ldy, y_bf16, scale, bias, partial, first, last, c, group, rows);
-        else   /* the block's last strips, fewer than a group */
-            for (int j = j0; j < ns; j++)
-                panel_group(panel, kn, x, ldx, y, ldy, y_bf16, scale, bias, partial, first, last, 16 * (s0 + j), 1,
-                            rows);
+        __m256 acc[ROW_TILE][2 * STRIPS_PER_BLOCK];
+        UNROLL for (int m = 0; m < rows; m++)
+            UNROLL for (int v = 0; v < 2 * g; v++)
+                acc[m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + m * 64 + c + 8 * v);
+        for (int64_t k = 0; k < kn; k++) {
+            const float *pk = panel + k * 64 + c;
+            __m256 xb[ROW_TILE];
+            UNROLL for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(x + m * ldx + k);
+            UNROLL for (int v = 0; v < 2 * g; v++) {
+                const __m256 wv = _mm256_load_ps(pk + 8 * v);
+                UNROLL for (int m = 0; m < rows; m++) acc[m][v] = _mm256_fmadd_ps(wv, xb[m], acc[m][v]);
+            }
+        }
+        UNROLL for (int m = 0; m < rows; m++)
+            UNROLL for (int v = 0; v < 2 * g; v++) {
+                if (!last) _mm256_storeu_ps(partial + m * 64 + c + 8 * v, acc[m][v]);
+                else store_vec(acc[m][v], y, m * ldy + c + 8 * v, y_bf16, scale, bias, c + 8 * v);
+            }
     }
 }
 #endif
