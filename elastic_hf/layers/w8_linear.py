@@ -19,7 +19,8 @@ class W8Linear(nn.Module):
     few rows it reads a quarter of an fp32 weight's bytes, at a prefill's hundreds of rows it runs near the fp32
     product's rate (aten's int8-pack kernel: 0.4x at 256 rows). The state dict always holds the plain [out, in]
     form, so cached variants and checkpoints do not depend on the CPU. Elsewhere (CUDA, other CPUs or shapes) the
-    aten kernel runs on the plain layout with activations cast to bf16 at the boundary (relative error ~3e-3 from bf16 rounding)."""
+    aten kernel runs on the plain layout with activations cast to bf16 at the boundary (relative error ~3e-3 from
+    bf16 rounding)."""
 
     scheme = QuantScheme(quant="w8", group_size=None)
 
