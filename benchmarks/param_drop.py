@@ -1,7 +1,9 @@
 """KunServe parameter dropping under the largest burst of the Azure code trace, side by side with data parallelism,
 a static pipeline, a TP merge and precision morphing on the same 2 workers and the same KV budget per worker, plus
 the ablations of KunServe §5.3/§5.5 (blocking exchange, coordinated exchange, lookahead, no restore) and, on
-request (`--configs ...,lifted`), the exchange at full speed while requests queue for its memory.
+request (`--configs ...,lifted`), the exchange at full speed while requests queue for its memory, and
+(`--configs ...,dp-routed`) data parallelism with each request kept where routing put it on arrival (no queue
+rebalancing: what "dp" was before session 56).
 
     python benchmarks/param_drop.py [--num-requests 80 --weight-share 0.5,0.3 --runs 3 --configs dp,pp,kunserve
                                      --cost-profile PATH --plot out/benchmarks/param_drop.png]
@@ -76,8 +78,10 @@ from replay import (TRACE_NAME, ReplayReport, ReplayRequest, TraceRow, TraceScal
                     load_trace, percentile, run_replay, scale_trace, time_scale_for_rate)
 from elastic_hf.parallel.metrics import PIPELINE_PARTS  # noqa: E402
 
-CONFIGS = ("dp", "pp", "tp-merge", "morph", "kunserve", "+drop", "+exchange", "no-restore", "lifted")
-DEFAULT_CONFIGS = CONFIGS[:-1]   # "lifted" on request: the exchange at full speed while requests queue
+CONFIGS = ("dp", "pp", "tp-merge", "morph", "kunserve", "+drop", "+exchange", "no-restore", "lifted", "dp-routed")
+# On request: "lifted", the exchange at full speed while requests queue; "dp-routed", data parallelism whose requests
+# stay where routing put them on arrival (no queue rebalancing, engine/rebalance.py: the engine before session 56)
+DEFAULT_CONFIGS = CONFIGS[:-2]
 ALIASES = {"+lookahead": "kunserve"}
 DROP_CONFIGS = ("kunserve", "+drop", "+exchange", "no-restore", "lifted")
 STEP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -331,6 +335,8 @@ def config_options(name: str, args, hysteresis: dict, cost_profile: str | None) 
             "max_num_seqs": MAX_NUM_SEQS, "pipeline_batches": args.pipeline_batches}
     if name == "dp":
         return {**base, "topology": (1, 1), "overload": "off"}
+    if name == "dp-routed":
+        return {**base, "topology": (1, 1), "overload": "off", "rebalance_queues": False}
     if name == "pp":
         return {**base, "topology": "1x2", "overload": "off"}
     if name == "tp-merge":
@@ -564,7 +570,7 @@ def print_results(runs: dict[str, list[Run]], slo: tuple[float, float]) -> None:
         if any(n for _, _, n in spans):
             print(f"  {name}: P99 TPOT of requests decoding across a restore / of the others, per run: "
                   + ", ".join(f"{a:.4f}/{b:.4f} s ({n} requests, {a / b:.2f}x)" for a, b, n in spans if n))
-    for base in ("dp", "pp"):
+    for base in ("dp", "pp", "dp-routed"):
         if base not in runs:
             continue
         print(f"\nratios vs {base}, per run then median [min-max] (P99 TTFT gain = {base} / config; P50 TPOT gain = "

@@ -184,8 +184,7 @@ class EngineConfig:
     max_stop_string_chars: int = 1024
     max_queued_requests: int = 1024      # waiting sequences beyond which new requests are refused (HTTP 503)
     max_stop_token_ids: int = 1024       # stop_token_ids one request may give
-    # n x max_tokens x (1 + logprobs) of one request: the tokens and alternatives it may make the engine produce
-    max_request_output_cost: int = 1 << 22
+    max_request_output_cost: int = 1 << 22   # n x max_tokens x (1 + logprobs): what a request may make us produce
     # -- deployment
     num_workers: int = 1                 # 1: one worker driven in-process; more: worker processes (torch.distributed)
     # Instances over consecutive workers: a TP degree, or "TPxPP" (optionally ":16/14" layers per stage) each, e.g.
@@ -193,6 +192,7 @@ class EngineConfig:
     topology: tuple | str | None = None
     tp_policy: str = "static"            # elastic: merge instances for long requests, split back (Gyges §5)
     router: str | None = None            # elastic | least_load | round_robin; None: elastic iff tp_policy elastic
+    rebalance_queues: bool = True        # unstarted requests move to a queue that starts them sooner (rebalance.py)
     scale_down_load: float = 0.5         # split a merged instance once no long request remains and load is below
     threads_per_worker: int | None = None   # torch threads of a worker process; None: cores / workers
     start_timeout_s: float = 300.0       # how long worker processes may take to load

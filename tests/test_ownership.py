@@ -24,8 +24,8 @@ POOL_RESIZERS = {"attach_blocks", "detach_blocks"}
 # commit, which grows a new pool to its planned manager's capacity, and a drop's exchange, which gives back the
 # retired old pool's blocks (no KVManager owns it any more) chunk by chunk.
 POOL_RESIZE_EXECUTORS = {"kv/page_pool.py", "parallel/worker_reshape.py", "parallel/worker_exchange.py"}
-POLICY_MODULES = ["engine/routing.py", "engine/overload.py", "engine/drop_plan.py", "engine/lookahead.py",
-                  "morph/controller.py", "morph/monitor.py"]
+POLICY_MODULES = ["engine/routing.py", "engine/rebalance.py", "engine/overload.py", "engine/drop_plan.py",
+                  "engine/lookahead.py", "morph/controller.py", "morph/monitor.py"]
 POLICY_MUST_NOT_REACH = {"engine", "runner", "scheduler", "deployment", "dep", "pool", "instances"}
 
 

@@ -16,8 +16,7 @@ from elastic_hf.engine.input_processor import EngineRequest, InputProcessor
 from elastic_hf.engine.metrics import EngineMetrics
 from elastic_hf.engine.output_processor import OutputProcessor
 from elastic_hf.engine.outputs import RequestOutput
-from elastic_hf.engine.sampler import (RemoteSampling, adopt_sampled, make_sampler_state, sample,
-                                       token_logprobs)
+from elastic_hf.engine.sampler import RemoteSampling, adopt_sampled, make_sampler_state, sample, token_logprobs
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import Scheduler
 from elastic_hf.engine.sequence import Request, Sequence, SeqStatus
@@ -313,6 +312,14 @@ class LLMEngine:
             if self.timeline is not None:
                 self.timeline.on_request_finished(request)
         return output
+
+    def release_unstarted(self, request_id: str) -> Request:
+        """Hand over a request none of whose sequences has started, for another engine to adopt() (rebalance.py)."""
+        if request_id not in self.requests or not self.requests[request_id].is_unstarted:
+            raise ValueError(f"request {request_id!r} is not waiting unstarted in this engine")
+        request = self.requests.pop(request_id)
+        self.scheduler.remove_waiting(request.seqs)
+        return request
 
     def adopt(self, request: Request, block_ids: dict[int, list[int]], recompute: bool = False,
               exchanging: bool = False) -> None:

@@ -233,6 +233,13 @@ class Scheduler:
         self.waiting.clear()
         self.waiting.extend(merged)
 
+    def remove_waiting(self, seqs: Iterable[Sequence]) -> None:
+        """Take waiting sequences out of the queue (their request moves to another instance)."""
+        leaving = {seq.seq_id for seq in seqs}
+        kept = [seq for seq in self.waiting if seq.seq_id not in leaving]
+        self.waiting.clear()
+        self.waiting.extend(kept)
+
     def park_exchanging(self, seqs: Iterable[Sequence]) -> None:
         """Running sequences whose blocks (already this scheduler's) are still being filled by a KV exchange."""
         for seq in seqs:

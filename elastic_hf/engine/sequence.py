@@ -79,3 +79,8 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    @property
+    def is_unstarted(self) -> bool:
+        """Every sequence waits with no KV block: it can move to another instance for nothing."""
+        return all(s.status is SeqStatus.WAITING and not s.block_ids for s in self.seqs)

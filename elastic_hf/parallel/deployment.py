@@ -34,6 +34,8 @@ from elastic_hf.parallel.instance_runner import Instance, InstanceRunner
 from elastic_hf.parallel.deployment_stats import deployment_stats, instance_loads, load_totals
 from elastic_hf.parallel.metrics import DeploymentMetrics
 from elastic_hf.parallel.overload_control import OverloadControl
+from elastic_hf.parallel.queue_balancer import QueueBalancer
+from elastic_hf.parallel.recovery import replace_dead_workers
 from elastic_hf.parallel.reshape import (RETIRED_COUNTERS, ReshapeAborted, ReshapeReport, resume_instances,
                                         run_reshape)
 from elastic_hf.parallel.executor import Executor
@@ -46,7 +48,6 @@ from elastic_hf.units import ceil_div
 
 log = logging.getLogger(__name__)
 
-PEER_GRACE_S = 10.0   # recover(): a dead worker's peers still blocked on it after this are ended (gloo waits 120 s)
 
 SCALE_DOWN_BACKOFF_STEPS = 16  # steps to wait after a scale-down that did not fit before trying again
 MAX_DEFAULT_MODEL_LEN = 8192
@@ -83,6 +84,7 @@ class Deployment:
         self._request_seeds = request_seeds(config.seed) if config.seed is not None else None
         self.policy = TPPolicy(config, self.degrees)
         self._hash_fn = hash_function(config.prefix_caching_hash_algo)   # cache-aware routing hashes prompts once
+        self.balancer = QueueBalancer(config, self._lookup_hashes)   # moves unstarted requests between queues
         self.morph_managers: dict[int, MorphManager] = {}
         self.overload: OverloadControl | None = None
         self.pool: Executor | None = None   # the executor of the workers (parallel/executor.py)
@@ -169,9 +171,9 @@ class Deployment:
             order = swap_order(self.config.morph, self.hf_config, info.num_layers)
             send = (lambda method, *args, worker=w: self.pool.call(worker, method, *args))
             self.morph_managers[w] = create_manager(self.config.morph, send, w, info, order, morph_metrics)
-        self._bind_morph()
+        self.bind_morph()
 
-    def _bind_morph(self) -> None:
+    def bind_morph(self) -> None:
         """Each TP1 instance's worker morphs; a worker in a larger instance (or in standby) pauses."""
         owner = {inst.workers[0]: inst.engine for inst in self.instances if inst.shape == InstanceShape(1)}
         for w, manager in self.morph_managers.items():
@@ -211,6 +213,7 @@ class Deployment:
         check_queue_capacity(self.config, params, sum(len(i.engine.scheduler.waiting) for i in self.instances))
         need = ceil_div(len(request.prompt_token_ids) + params.max_tokens, self.config.block_size) * params.n
         is_long = need > self.tp1_blocks
+        pinned = instance is not None
         if instance is None:
             instance = self._admit(need, is_long, self._lookup_hashes(request))
         engine = self.instances[instance].engine
@@ -222,6 +225,8 @@ class Deployment:
         engine.add_request(request_id, request)
         if is_long:
             self.long_request_ids.add(request_id)
+        if pinned:
+            self.balancer.pinned.add(request_id)
         return request_id
 
     def _lookup_hashes(self, request: EngineRequest) -> list | None:
@@ -251,6 +256,7 @@ class Deployment:
             if request_id in inst.engine.requests:
                 inst.engine.abort_request(request_id)
         self.long_request_ids.discard(request_id)
+        self.balancer.pinned.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self.drained_outputs) or any(i.engine.has_unfinished_requests() for i in self.instances)
@@ -262,6 +268,7 @@ class Deployment:
 
     def step(self) -> list[RequestOutput]:
         """One step of every instance with work (requests, or a morph in progress), the instances concurrently."""
+        self.balancer.on_step(self.instances, self.long_request_ids)
         busy = [i for i in self.instances if i.engine.has_unfinished_requests()]
         outputs, errors, self.drained_outputs = self.drained_outputs, [], []
         if len(busy) == 1 or self.pool.step_threads is None:
@@ -338,7 +345,7 @@ class Deployment:
         self.instances, retired = resume_instances(self.instances, new, plan, placement, self._new_instance)
         self.retired = {key: self.retired[key] + retired[key] for key in RETIRED_COUNTERS}
         self.topology = new
-        self._bind_morph()
+        self.bind_morph()
         self.overload.apply_lookahead()
         if plan.defer_kv:
             self.overload.start_exchange(plan)
@@ -355,37 +362,8 @@ class Deployment:
             self.deployment_metrics.set_topology(self.topology)
 
     def recover(self) -> list[int]:
-        """Replace dead worker processes under the current topology. Requests of an instance that lost a worker lost
-        part of their KV and are recomputed (preemption); every other instance continues untouched."""
-        dead = self.pool.check_health()
-        if not dead:
-            return []
-        peers = sorted({w for i in self.instances if set(i.workers) & set(dead) for w in i.workers} - set(dead))
-        if self.pool.end_blocked(peers, PEER_GRACE_S):
-            dead = self.pool.check_health()
-        for inst in self.instances:   # steps in flight on a lost worker did not happen; the others' finish
-            if any(w in dead for w in inst.workers):
-                inst.engine.batches.discard()
-        self.overload.on_workers_lost(dead)
-        self.pool.replace(dead, self.topology.sizes)
-        self.drain_batches()
-        for inst in self.instances:
-            lost = [w for w in inst.workers if w in dead]
-            if not lost:
-                continue
-            inst.engine.preempt_running()   # with the requests stalled on a KV exchange
-            capacity = self.capacity(inst.key)
-            self.pool.collective_rpc(Worker.init_kv, (capacity,), lost)
-            # Afresh at fp on every worker: morphs or a drop may have resized the survivors' pools.
-            inst.engine.scheduler.kv.reset(capacity)
-            for w in lost:
-                if w in self.morph_managers:
-                    self.morph_managers[w].bind(None)
-        self._bind_morph()
-        self.num_recoveries += 1
-        self.deployment_metrics.recoveries.inc()
-        log.warning("replaced dead workers %s; topology %s", dead, self.topology)
-        return dead
+        """Replace dead worker processes under the current topology (parallel/recovery.py). Returns them."""
+        return replace_dead_workers(self)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -49,4 +49,4 @@ def deployment_stats(deployment) -> dict:
             "num_computed_prompt_tokens": deployment.num_computed_prompt_tokens,
             "num_reshapes": sum(committed), "num_rolled_back": len(committed) - sum(committed),
             "reshape_seconds": [round(r.seconds, 4) for r in deployment.reshapes if r.committed],
-            "instances": per_instance}
+            "num_moved_requests": deployment.balancer.num_moved, "instances": per_instance}

@@ -159,6 +159,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", default=None, choices=("elastic", "least_load", "round_robin"),
                         help="how requests pick an instance (default: elastic with --tp-policy elastic, "
                              "least_load otherwise)" + _OWN_DEFAULT)
+    parser.add_argument("--no-rebalance-queues", dest="rebalance_queues", action="store_false",
+                        help="keep every request on the instance routing picked on arrival (default: a request "
+                             "that has not started moves to an instance that would start it more than a step "
+                             "sooner)")
     parser.add_argument("--overload", default="off", choices=("off", "morph", "tp-merge", "drop", "auto"),
                         help="the one response to KV overload (demand above capacity): morph (precision "
                              "morphing, needs --morph), tp-merge (merge instances into TP2), drop (KunServe: "
@@ -241,7 +245,8 @@ def engine_config(args: argparse.Namespace):
     options = {name: getattr(args, name) for name in ("dtype", "seed", "chat_template", "max_num_seqs",
                                                        "max_num_batched_tokens", "pipeline_batches", "memory_budget",
                                                        "kv_cache_memory",
-                                                       "max_model_len", "router", "block_size", "max_stop_strings",
+                                                       "max_model_len", "router", "rebalance_queues", "block_size",
+                                                       "max_stop_strings",
                                                        "max_stop_string_chars", "max_queued_requests",
                                                        "overload", "cost_profile", "packed_weights", "device",
                                                        "enforce_eager", "enable_prefix_caching",

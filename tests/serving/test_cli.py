@@ -21,7 +21,7 @@ SERVE_FLAGS = ["--host", "--port", "--memory-budget", "--max-model-len", "--dtyp
                "--shutdown-timeout", "--request-timeout", "--device", "--enforce-eager", "--enable-prefix-caching",
                "--no-enable-prefix-caching", "--prefix-caching-hash-algo", "--enable-auto-tool-choice",
                "--tool-call-parser", "--reasoning-parser", "--distributed-executor-backend", "--ray-address",
-               "--ray-placement", "--pipeline-batches", "--timeline", "--fused-layers"]
+               "--ray-placement", "--pipeline-batches", "--timeline", "--fused-layers", "--no-rebalance-queues"]
 
 
 def _cli() -> list[str]:

@@ -30,6 +30,7 @@ def test_vllm_flag_names_map_onto_the_config():
     config = _config("--device", "cuda", "--enforce-eager")
     assert (config.device, config.enforce_eager, config.dtype) == ("cuda", True, "auto")
     assert _config().device == "cpu" and _config().enforce_eager is False
+    assert _config().rebalance_queues is True and _config("--no-rebalance-queues").rebalance_queues is False
     with pytest.raises(ValueError, match="not both"):
         _config("--gpu-memory-utilization", "0.5", "--memory-budget", "1GiB")
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
