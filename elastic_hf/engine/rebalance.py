@@ -35,7 +35,7 @@ class QueuedRequest:
     order: int                  # admission order (its first sequence's id): where it queues on any instance
     tokens: int                 # tokens left to prefill over its sequences
     blocks: int                 # KV blocks its whole input and output need
-    movable: bool = True        # False: nothing computed is not enough (pinned to its instance, a long request)
+    movable: bool = True        # False: it stays (started, pinned to its instance, long on a merged instance)
     cached_tokens: dict[int, int] = field(default_factory=dict)   # instance index -> tokens its prefix cache holds
 
 
