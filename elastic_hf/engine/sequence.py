@@ -5,6 +5,13 @@ import enum
 from dataclasses import dataclass, field
 
 from elastic_hf.engine.sampling_params import SamplingParams
+from elastic_hf.units import ceil_div
+
+
+def worst_case_kv_blocks(num_prompt_tokens: int, max_tokens: int, block_size: int, num_seqs: int) -> int:
+    """KV blocks a request takes at most: each of its sequences holding the prompt and all `max_tokens` (what routing
+    and queue rebalancing check an instance's room against)."""
+    return ceil_div(num_prompt_tokens + max_tokens, block_size) * num_seqs
 
 
 class SeqStatus(enum.Enum):

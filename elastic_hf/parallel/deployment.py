@@ -21,6 +21,7 @@ from elastic_hf.engine.routing import InstanceLoad, TPPolicy
 from elastic_hf.engine.sampler import request_seeds
 from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.engine.scheduler import Scheduler
+from elastic_hf.engine.sequence import worst_case_kv_blocks
 from elastic_hf.engine.timeline import Timeline
 from elastic_hf.kv.kv_manager import KVManager
 from elastic_hf.kv.prefix_cache import PrefixCache, hash_function, prompt_lookup_hashes
@@ -44,7 +45,6 @@ from elastic_hf.parallel.worker import Worker
 from elastic_hf.parallel.worker_pool import WorkerError
 from elastic_hf.patches import get_adapter
 from elastic_hf.topology import InstanceShape, Topology, candidate_topologies, parse_topology
-from elastic_hf.units import ceil_div
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,8 @@ class Deployment:
             raise InvalidRequest(f"instance must be in [0, {len(self.instances)}) for topology {self.topology}, "
                                  f"got {instance}", param="instance")
         check_queue_capacity(self.config, params, sum(len(i.engine.scheduler.waiting) for i in self.instances))
-        need = ceil_div(len(request.prompt_token_ids) + params.max_tokens, self.config.block_size) * params.n
+        need = worst_case_kv_blocks(len(request.prompt_token_ids), params.max_tokens, self.config.block_size,
+                                    params.n)
         is_long = need > self.tp1_blocks
         pinned = instance is not None
         if instance is None:

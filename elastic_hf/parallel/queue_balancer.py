@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 from elastic_hf.config import EngineConfig
 from elastic_hf.engine.rebalance import InstanceQueue, QueuedRequest, imbalanced, plan_moves
-from elastic_hf.engine.sequence import SeqStatus
-from elastic_hf.units import ceil_div
+from elastic_hf.engine.sequence import SeqStatus, worst_case_kv_blocks
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +81,8 @@ def instance_queues(instances, budget: int, block_size: int, fixed: set[str]
             request = inst.engine.requests[seq.request_id]
             seqs = request.seqs
             tokens = sum(s.num_uncomputed_tokens for s in seqs if s.status is SeqStatus.WAITING)
-            blocks = ceil_div(len(request.prompt_token_ids) + request.params.max_tokens, block_size) * len(seqs)
+            blocks = worst_case_kv_blocks(len(request.prompt_token_ids), request.params.max_tokens, block_size,
+                                          len(seqs))
             movable = request.request_id not in fixed and request.is_unstarted
             waiting.append(QueuedRequest(request.request_id, idx, min(s.seq_id for s in seqs), tokens, blocks,
                                          movable))
