@@ -104,6 +104,17 @@ def _build(source: Path, compiler: str) -> Path:
     return target
 
 
+def build_source(source: Path) -> ctypes.CDLL:
+    """Compile and load a copy of one of the package's kernels kept elsewhere (another revision's `<name>.c` beside
+    its headers: benchmarks/kernel_ab.py), with the same flags, OpenMP runtime and cache as the package's own."""
+    import torch  # noqa: F401  (maps torch's OpenMP runtime, which the build links against)
+
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    return ctypes.CDLL(str(_build(Path(source), compiler)))
+
+
 def bind(name: str, symbol: str, argtypes: list, restype=None):
     """The C function `symbol` of the compiled `<name>.c` with its ctypes signature set, or None where native
     kernels are off or cannot be built here (load_library warns once)."""

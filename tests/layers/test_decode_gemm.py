@@ -114,3 +114,27 @@ def test_packed_linear_runs_the_kernel(dtype, monkeypatch):
     with pytest.raises(RuntimeError):
         linear(x.to(other))
     assert calls == [1]
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_a_copy_of_the_source_builds_to_the_same_bits(dtype, tmp_path):
+    """build_source (what benchmarks/kernel_ab.py loads a git revision's kernel with) compiles a copy kept elsewhere
+    with the package's flags: the same source gives the package's own products, bit for bit."""
+    import ctypes
+    import shutil
+
+    from elastic_hf.native.build import SOURCE_DIR, build_source
+
+    for path in [SOURCE_DIR / "decode_gemm.c", *SOURCE_DIR.glob("*.h")]:
+        shutil.copy(path, tmp_path / path.name)
+    lib = build_source(tmp_path / "decode_gemm.c")
+    fn = getattr(lib, "elastic_decode_gemm_f32" if dtype == torch.float32 else "elastic_decode_gemm_bf16")
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes, fn.restype = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int], ctypes.c_int
+    torch.manual_seed(3)
+    n, k, rows = 960, 576, 8
+    packed = dg.packed_layout((torch.randn(n, k) * 0.05).to(dtype)).contiguous()
+    x = torch.randn(rows, k).to(dtype)
+    got = torch.empty(rows, n, dtype=dtype)
+    assert fn(x.data_ptr(), k, packed.data_ptr(), None, got.data_ptr(), n, rows, n, k, 2) == 0
+    assert torch.equal(got, dg.decode_gemm(x, packed.data_ptr(), None, n))
