@@ -105,8 +105,9 @@ def _build(source: Path, compiler: str) -> Path:
 
 
 def build_source(source: Path) -> ctypes.CDLL:
-    """Compile and load a copy of one of the package's kernels kept elsewhere (another revision's `<name>.c` beside
-    its headers: benchmarks/kernel_ab.py), with the same flags, OpenMP runtime and cache as the package's own."""
+    """Compile (or take from the cache) and load one kernel source: the package's own (load_library) or a copy kept
+    elsewhere beside its headers (another revision's `<name>.c`: benchmarks/kernel_ab.py), with the same flags and
+    OpenMP runtime. Raises RuntimeError without a C compiler or when the build fails."""
     import torch  # noqa: F401  (maps torch's OpenMP runtime, which the build links against)
 
     compiler = _compiler()
@@ -132,14 +133,8 @@ def load_library(name: str) -> ctypes.CDLL | None:
     or cannot be built here."""
     if not native_enabled():
         return None
-    import torch  # noqa: F401  (maps torch's OpenMP runtime, which the build links against)
-
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("no C compiler found (set CC); %s runs on the slower pure-torch path", name)
-        return None
     try:
-        return ctypes.CDLL(str(_build(SOURCE_DIR / f"{name}.c", compiler)))
+        return build_source(SOURCE_DIR / f"{name}.c")
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("native kernel %s unavailable, using the pure-torch path: %s", name, exc)
         return None

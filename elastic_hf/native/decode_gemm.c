@@ -85,7 +85,8 @@
  * AVX2 tiles), so that the DRAM stream runs at an even rate while they compute. Else each chunk's first row tile
  * waits on DRAM and the others on nothing, and the two add up; and where the prefetches ran in the first strip group
  * only, the memory sat idle during the other groups (AVX2, default model's linears, 2 threads, fp32 4 / 8 / 16 rows:
- * 61.8 / 69.1 / 71.2 -> 45.1 / 42.9 / 55.3 ms; bf16 4 / 8 rows 36.3 / 45.2 -> 23.7 / 31.2 ms; 32+ rows level).
+ * 66.8 / 71.8 / 82.3 -> 45.0 / 43.8 / 60.5 ms; bf16 4 / 8 rows 40.8 / 43.7 -> 27.1 / 30.1 ms; 32+ rows level:
+ * python benchmarks/kernel_ab.py --base 7370041).
  * k-rows [r0, r1) of the next chunk (256 B each: 64 fp32 outputs, or 64 bf16 outputs x one k-pair) are this row
  * tile's share, of `ns` strips from `s0`, at `base`; `first`: the chunk's first row tile. base NULL: no next chunk
  * (one row tile, or the thread's last chunk). */
