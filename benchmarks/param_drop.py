@@ -12,7 +12,7 @@ The memory regime is the papers' (benchmarks/regime.py): each worker's KV budget
 so that the weights are --weight-share of weights + KV (default 0.5, then 0.3; KunServe §5.1: 34-74 %).
 --kv-cache-memory sets the KV bytes directly instead (the old 16 MiB default put the weights at ~97 %, where any
 freed layer multiplied the capacity ten-fold). Static PP 1x2 is the honest control for dropping: the same capacity
-during the burst, no elasticity.
+during the burst (the layer split that holds the most KV, as a drop under a burst takes), no elasticity.
 
 How the workload is chosen (every rule prints its numbers):
 
@@ -416,6 +416,12 @@ def run_config(name: str, args, requests, slo, hysteresis, cost_profile, bar) ->
     model = ElasticModel.from_pretrained(None, **options)
     try:
         dep = model.deployment
+        if name == "pp":
+            # The honest control holds what a drop's group holds: the layer split with the most KV (its first stage
+            # holds no vocabulary table), the one stage_split picks under a demand no split holds.
+            split = dep.overload.group_shape(2, sys.maxsize)
+            if dep.topology.instance_keys()[0][1] != split:
+                model.reshape([str(split)])
         model.generate([[1, 2, 3]] * 2, max_tokens=2)   # warm-up: first forwards, native kernels
         before = counters(model)
         capacity = sum(i.engine.scheduler.kv.num_total for i in dep.instances) * dep.config.block_size

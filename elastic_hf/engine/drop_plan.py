@@ -6,7 +6,8 @@ Fig. 6 merges the two smallest groups until enough is freed: the performance los
 crosses (Fig. 5), so groups stay as small as possible. Our topologies lay instances over consecutive workers, so
 only adjacent groups can merge: the greedy picks the adjacent pair with the smallest merged size (leftmost on a
 tie). Two groups that each hold one full copy of the decoder layers hold one after the merge, so every merge frees
-one copy (`layer_bytes`: all decoder layers of the model as one worker holds them)."""
+one copy (`layer_bytes`: all decoder layers of the model as one worker holds them, with the vocabulary tables the
+merged stages stop reading)."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -49,7 +49,16 @@ class KVExchange:
         parked = sum(len(i.engine.scheduler.exchanging) for i in instances)
         self.stats = ExchangeStats(time.perf_counter(), parked)
         self._grow(self.pool.call_many(workers, "exchange.room_blocks"))
-        self.pool.call_many(workers, "exchange.start", cpu_share)
+        try:
+            self.pool.call_many(workers, "exchange.start", cpu_share)
+        except RuntimeError as exc:
+            dead = self.pool.check_health()
+            if not dead:
+                raise
+            # A member's transfer thread can get far enough to die before its start RPC answers: the same death as
+            # one mid-exchange, recovered the same way (the next step's health check replaces the worker and
+            # abandons this exchange, OverloadControl.on_workers_lost; the parked requests are recomputed).
+            log.warning("KV exchange: workers %s died as it started (%s); recovery takes over", dead, exc)
 
     @property
     def num_parked(self) -> int:

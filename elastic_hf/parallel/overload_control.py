@@ -58,6 +58,10 @@ class OverloadControl:
             if self.cost_model is None and self.policy.lookahead else None
         info = deployment.pool.call(0, "info")
         self.layer_bytes = info["weights_tp1_bytes"] - info["replicated_weights_bytes"]   # all decoder layers
+        # What merging two whole-model instances into a pipeline frees: one copy of the decoder layers and the
+        # vocabulary tables neither stage reads (parallel/stage_tables.py; the first stage's tied table).
+        self.merge_freed_bytes = self.layer_bytes + 2 * info["replicated_weights_bytes"] \
+            - info["first_stage_replicated_bytes"] - info["last_stage_replicated_bytes"]
         self.head_bytes = info["lm_head_bytes"]
         self.base_weights = [r["weights_bytes"] for r in deployment.memory_report()]
         self.history: list[dict] = []   # drops, merges and restores with their outcome (GET /admin/drop)
@@ -183,7 +187,7 @@ class OverloadControl:
         if any(inst.shape.tp != 1 for inst in dep.instances):
             return self._refused("drop", f"drop groups data-parallel TP1 instances; topology is {dep.topology}")
         token_bytes = self.layer_bytes_per_token()
-        plan = plan_drop([inst.shape.pp for inst in dep.instances], self.layer_bytes,
+        plan = plan_drop([inst.shape.pp for inst in dep.instances], self.merge_freed_bytes,
                          max(demand_tokens, 1) * token_bytes)
         if isinstance(plan, DropRefusal):
             return self._refused("drop", plan.reason)

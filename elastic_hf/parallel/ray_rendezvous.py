@@ -223,9 +223,15 @@ class NodeStoreView:
         self._store: SharedWeightStore | None = None
 
     def get(self, layer_idx: int, kind: str) -> torch.Tensor:
+        return self._opened().get(layer_idx, kind)
+
+    def table(self, name: str) -> torch.Tensor | None:
+        return self._opened().table(name)
+
+    def _opened(self) -> SharedWeightStore:
         if self._store is None:
             self._store = open_node_store(self._candidates, self._dtype)
-        return self._store.get(layer_idx, kind)
+        return self._store
 
 
 def open_node_store(candidates: list[list[ray.ObjectRef]], dtype: torch.dtype) -> SharedWeightStore:

@@ -1,8 +1,9 @@
 """Tensor parallelism as a transform of a built HF model (gpt-fast style): every decoder layer's q/k/v/o and
 gate/up/down Linear becomes a ShardableLinear in one weights arena; embeddings, norms, biases and the LM head are
-replicated. The HF forward runs unchanged: attention reshapes with view(..., -1, head_dim), so a shard with fewer
-heads just works, the registered paged attention reads the KV-head count from the key tensor, and o_proj/down_proj
-all-reduce over the TP group.
+replicated (a pipeline stage keeps only the vocabulary tables it reads: parallel/stage_tables.py). The HF forward
+runs unchanged: attention reshapes with view(..., -1, head_dim), so a shard with fewer heads just works, the
+registered paged attention reads the KV-head count from the key tensor, and o_proj/down_proj all-reduce over the TP
+group.
 
 Switching degree in place: load the chunks the new shard needs (from the shared host store) and release the pages of
 the chunks it no longer owns. Scale-up only releases (no copy); scale-down loads."""
@@ -15,6 +16,7 @@ from elastic_hf.layers.shard_layout import COLUMN_KINDS, SHARDED_KINDS, ModelSha
 from elastic_hf.layers.shardable_linear import ShardableLinear, fuse_shards
 from elastic_hf.memory import MemoryBudget, create_arena
 from elastic_hf.model.weight_placement import ArenaRange, param_range_bytes, place_params
+from elastic_hf.parallel.stage_tables import StageTables
 from elastic_hf.parallel.weight_store import SharedWeightStore, linear_module_names
 from elastic_hf.topology import Topology
 from elastic_hf.units import round_up
@@ -45,21 +47,29 @@ class ShardedWeights:
         names = linear_module_names(adapter)
         linears = [{kind: layer.get_submodule(names[kind]) for kind in SHARDED_KINDS} for layer in self.layers]
         sharded_ids = {id(m.weight) for per_layer in linears for m in per_layer.values()}
+        # The vocabulary tables get pages of their own (a pipeline stage that does not read one gives it back);
+        # the other replicated parameters (norms, biases) share one range.
+        table_ids = {id(p) for p in StageTables.table_params(hf_model)}
         seen: set[int] = set()
         shared = []
         for p in hf_model.parameters():
-            if id(p) not in sharded_ids and id(p) not in seen:
+            if id(p) not in sharded_ids and id(p) not in seen and id(p) not in table_ids:
                 seen.add(id(p))
                 shared.append(p)
         layouts = {kind: spec.layout(kind) for kind in SHARDED_KINDS}
         page = spec.page_size
-        self.shared_bytes = round_up(max(param_range_bytes(shared), 1), page)
+        rest_bytes = round_up(max(param_range_bytes(shared), 1), page)
+        table_bytes = StageTables.extent(hf_model, page)
+        # the replicated part of a whole-model role (a pipeline stage holds less of it: replicated_bytes)
+        self.shared_bytes = rest_bytes + table_bytes
         self.layer_bytes = sum(lay.nbytes for lay in layouts.values())
         slot_extents = [{p: round_up(n, page) for p, n in (slot_bytes[i] if slot_bytes else {}).items()}
                         for i in range(self.num_layers)]
         capacity = self.shared_bytes + sum(self.layer_bytes + sum(e.values()) for e in slot_extents)
         self.arena = create_arena(device, capacity, budget, "weights", page)
         self.shared = place_params(shared, self.arena, 0)
+        self.rest_bytes = rest_bytes
+        self.tables = StageTables(hf_model, self.arena, rest_bytes, store, device)
 
         self.linears: list[dict[str, ShardableLinear]] = []
         self._fp_regions: list[ArenaRange] = []
@@ -116,7 +126,13 @@ class ShardedWeights:
             lay = self.linears[0][kind].layout
             per_layer += sum(lay.chunks[i].nbytes for i in lay.shard_chunks(tp, rank))
         num_layers = self.num_layers if layers is None else max(layers[1] - layers[0], 0)
-        return (self.shared_bytes if shared else 0) + num_layers * per_layer
+        return (self.replicated_bytes(layers) if shared else 0) + num_layers * per_layer
+
+    def replicated_bytes(self, *ranges: tuple[int, int] | None) -> int:
+        """Bytes of the replicated part a role holding every one of `ranges` of decoder layers keeps (None: all
+        layers; no range: what is held now): norms and biases always, the vocabulary tables it reads
+        (parallel/stage_tables.py)."""
+        return self.rest_bytes + self.tables.held_bytes(self.num_layers, *ranges)
 
     # ------------------------------------------------------------------ transform
     def switch(self, kinds: tuple[str, ...], tp: int, rank: int, group=None,
@@ -139,8 +155,9 @@ class ShardedWeights:
 
     def preload(self, tp: int, rank: int, layers: tuple[int, int]) -> int:
         """Commit and fill, from the host store, the chunks shard (tp, rank) of `layers` needs and does not hold,
-        without switching to it (a reshape loads them while the KV migrates, ReMP §3.3). Returns bytes loaded."""
-        loaded = 0
+        and the vocabulary tables it reads, without switching to them (a reshape loads them while the KV migrates,
+        ReMP §3.3). Returns bytes loaded."""
+        loaded = self.tables.preload(layers, self.num_layers)
         for layer_idx in reversed(range(*layers)):
             for kind, lin in self.linears[layer_idx].items():
                 missing = [i for i in lin.layout.shard_chunks(tp, rank) if i not in lin.committed]
@@ -160,16 +177,22 @@ class ShardedWeights:
         self.refresh_fusion()
         return freed
 
+    def release_tables(self, layers: tuple[int, int]) -> int:
+        """Give back the vocabulary tables a role of `layers` does not read. Returns the bytes released."""
+        return self.tables.release(layers, self.num_layers)
+
     def set_role(self, tp: int, rank: int, group, layers: tuple[int, int]) -> tuple[int, int]:
-        """Hold shard (tp, rank) of exactly the layers [start, end): release the others first (their pages can take
-        what is loaded), then load and switch the held ones from the host store. Returns (bytes loaded, bytes
-        released)."""
+        """Hold shard (tp, rank) of exactly the layers [start, end) and the vocabulary tables they read: release
+        the others first (their pages can take what is loaded), then load and switch the held ones from the host
+        store. Returns (bytes loaded, bytes released)."""
         start, end = layers
         released = self.release_layers(i for i in range(self.num_layers) if not start <= i < end)
+        released += self.release_tables(layers)
         loaded, released_in = self.switch(ATTENTION_KINDS + MLP_KINDS, tp, rank, group,
                                           list(reversed(range(start, end))))
+        tables_loaded, _ = self.tables.apply(layers, self.num_layers)
         self.tp, self.rank = tp, rank
-        return loaded, released + released_in
+        return loaded + tables_loaded, released + released_in
 
     def release_all(self) -> int:
         """Standby: no active shard and every shard chunk given back (embeddings, norms and LM head stay)."""

@@ -1,6 +1,8 @@
-"""The shared host weight store (ReMP §3.4): the full weights of every sharded Linear, read from the checkpoint once
-at start into one shared-memory buffer that all workers map. A worker that changes TP degree, rolls back a reshape
-or replaces a dead peer refills its shard chunks from here instead of reading checkpoint files."""
+"""The shared host weight store (ReMP §3.4): the full weights of every sharded Linear, and the vocabulary tables (input
+embedding, untied LM head), read from the checkpoint once at start into one shared-memory buffer that all workers
+map. A worker that changes TP degree, rolls back a reshape or replaces a dead peer refills its shard chunks from
+here instead of reading checkpoint files; a pipeline's first stage reads its embedding rows here and a stage that
+takes a table back refills it from here (parallel/stage_tables.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,6 +19,10 @@ def linear_module_names(adapter) -> dict[str, str]:
                                     adapter.gate_proj, adapter.up_proj, adapter.down_proj)))
 
 
+# The vocabulary tables the store holds where the checkpoint has them, by key (a key without a layer index).
+TABLE_KEYS = ("embed_tokens", "lm_head")
+
+
 @dataclass(slots=True)
 class SharedWeightStore:
     buffer: torch.Tensor                                   # [total_numel] flat, in shared memory
@@ -31,6 +37,14 @@ class SharedWeightStore:
         key = self.key(layer_idx, kind)
         if key not in self.index:
             raise KeyError(f"weight {key!r} is not in the store ({len(self.index)} weights)")
+        return self._view(key)
+
+    def table(self, name: str) -> torch.Tensor | None:
+        """A vocabulary table [vocab, hidden] (`TABLE_KEYS`), zero-copy; None where the checkpoint has none (a tied
+        model's LM head)."""
+        return self._view(name) if name in self.index else None
+
+    def _view(self, key: str) -> torch.Tensor:
         offset, shape = self.index[key]
         numel = 1
         for d in shape:
@@ -53,17 +67,19 @@ class SharedWeightStore:
             raise FileNotFoundError(f"no .safetensors files in {checkpoint_dir}")
         wanted = {f"{adapter.layers_path}.{i}.{name}.weight": cls.key(i, kind)
                   for i in range(num_layers) for kind, name in linear_module_names(adapter).items()}
+        tables = {f"{getattr(adapter, key)}.weight": key for key in TABLE_KEYS}
         shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    if name in wanted:
-                        shapes[wanted[name]] = (str(path), tuple(f.get_slice(name).get_shape()))
+                    if name in wanted or name in tables:
+                        shapes[wanted.get(name) or tables[name]] = (str(path), tuple(f.get_slice(name).get_shape()))
         missing = sorted(set(wanted.values()) - set(shapes))
         if missing:
             raise ValueError(f"checkpoint {checkpoint_dir} lacks {len(missing)} Linear weights, e.g. {missing[:3]}")
+        wanted.update((name, key) for name, key in tables.items() if key in shapes)
         index, offset = {}, 0
-        for key in sorted(shapes, key=lambda k: (int(k.split(".")[0]), SHARDED_KINDS.index(k.split(".")[1]))):
+        for key in sorted(shapes, key=_store_order):
             shape = shapes[key][1]
             index[key] = (offset, shape)
             offset += shape[0] * shape[1]
@@ -78,8 +94,16 @@ class SharedWeightStore:
             with safe_open(path, framework="pt") as f:
                 for name in names:
                     key = wanted[name]
-                    store.get(*_split_key(key)).copy_(f.get_tensor(name))
+                    store._view(key).copy_(f.get_tensor(name))
         return store
+
+
+def _store_order(key: str) -> tuple:
+    """Layer by layer in SHARDED_KINDS order, the vocabulary tables after them."""
+    if key in TABLE_KEYS:
+        return (1, TABLE_KEYS.index(key))
+    layer, kind = _split_key(key)
+    return (0, layer, SHARDED_KINDS.index(kind))
 
 
 def _split_key(key: str) -> tuple[int, str]:

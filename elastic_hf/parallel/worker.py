@@ -17,6 +17,7 @@ import torch
 from elastic_hf.config import EngineConfig
 from elastic_hf.engine.sampler import sample_remote
 from elastic_hf.kv.kv_manager import KVResize
+from elastic_hf.layers.host_rows_embedding import HostRowsEmbedding
 from elastic_hf.layers.shard_layout import ModelShardSpec, allowed_tp_degrees
 from elastic_hf.memory import default_page_size, process_rss_bytes
 from elastic_hf.model.instance import LoadedModel, build_instance, load_model, use_layer_kernels, worker_device
@@ -82,6 +83,10 @@ class Worker:
             (lambda budget, page: PlacedWeights.place(loaded.hf_model, loaded.layers, budget, self.device, page,
                                                       slot_bytes))
         self.instance = build_instance(config, loaded, place, headroom_bytes=headroom)
+        if self.is_sharded and self.layer_range() is not None:
+            # a pipeline stage gives back the vocabulary tables it does not read (after build_instance packed the
+            # head: a table refilled later goes back in the layout its modules read)
+            self.weights.release_tables(self.layer_range())
         self.morph: MorphExecutor | None = None
         if layer_store is not None:
             for precision in layer_store.precisions[1:]:   # the quantized variants run the fp layers' paths
@@ -180,6 +185,11 @@ class Worker:
                 "replicated_weights_bytes": self.weights.shared_bytes,
                 "headroom_bytes": self.instance.headroom_bytes, "device": str(self.device),
                 "lm_head_bytes": head.numel() * head.element_size(),
+                # the replicated bytes of a first and of a last pipeline stage (the vocabulary tables they read)
+                "first_stage_replicated_bytes": self.weights.replicated_bytes((0, loaded.num_layers - 1))
+                if self.is_sharded else self.weights.shared_bytes,
+                "last_stage_replicated_bytes": self.weights.replicated_bytes((1, loaded.num_layers))
+                if self.is_sharded else self.weights.shared_bytes,
                 "kv_block_bytes_tp1": self.instance.kv_layout(1, 0).block_bytes}
 
     def shard_bytes(self, tp: int, rank: int) -> int:
@@ -201,12 +211,15 @@ class Worker:
         old_layers, new_layers = self.layer_range(old), self.layer_range(new)
         weights = self.weights
         if o is None:
-            mid = weights.shared_bytes
+            mid = weights.replicated_bytes()
         else:
             both = (max(old_layers[0], new_layers[0]), min(old_layers[1], new_layers[1])) if n is not None \
                 else old_layers
             mlp_tp, mlp_rank = (n.tp, n.rank) if n is not None and n.tp > o.tp else (o.tp, o.rank)
-            mid = weights.shard_bytes(o.tp, o.rank, both, ATTENTION_KINDS) \
+            # prepare gives back the tables the new role does not read; it loads the ones it does last
+            tables = weights.replicated_bytes(old_layers, new_layers) if n is not None \
+                else weights.replicated_bytes(old_layers)
+            mid = tables + weights.shard_bytes(o.tp, o.rank, both, ATTENTION_KINDS, shared=False) \
                 + weights.shard_bytes(mlp_tp, mlp_rank, both, MLP_KINDS, shared=False)
         after = weights.shard_bytes(n.tp, n.rank, new_layers) if n is not None else weights.committed_bytes
         block = lambda role, layers: self.instance.kv_layout(role.tp, role.rank, layers).block_bytes  # noqa: E731
@@ -296,6 +309,10 @@ class Worker:
             report["layer_store"] = self.morph.store.report()
         if self.is_sharded:
             report["packed_linears"] = self.weights.num_packed
+            # the vocabulary tables among weights_bytes: a pipeline stage holds those it reads (stage_tables.py)
+            report["table_bytes"] = self.weights.tables.held_bytes(self.loaded.num_layers)
+            report["host_embedding_rows"] = isinstance(self.loaded.hf_model.get_input_embeddings(),
+                                                       HostRowsEmbedding)
         return report
 
     def rejoin(self, rendezvous) -> None:

@@ -146,7 +146,8 @@ class ReshapeParticipant:
         self._prewarm = None
         start, end = self.worker.layer_range()
         outside = [i for i in range(self.worker.loaded.num_layers) if not start <= i < end]
-        return {"released_bytes": self.worker.weights.release_layers(outside)}
+        weights = self.worker.weights
+        return {"released_bytes": weights.release_layers(outside) + weights.release_tables((start, end))}
 
     # ------------------------------------------------------------------ phases before the commit point
     def prepare(self, plan: ReshapePlan) -> dict:
@@ -185,7 +186,8 @@ class ReshapeParticipant:
         if old is not None and new is not None and old_layers != new_layers:
             # Layers this worker stops holding go first: their pages can take the KV and layers it receives.
             dropped = [i for i in range(*old_layers) if not new_layers[0] <= i < new_layers[1]]
-            txn["stats"]["layers_released_bytes"] = worker.weights.release_layers(dropped)
+            txn["stats"]["layers_released_bytes"] = worker.weights.release_layers(dropped) \
+                + worker.weights.release_tables(new_layers)
         self._check_fault("weights_first")
         pool = worker.pool
         if pool is not None:

@@ -17,18 +17,36 @@ MAX_NEW = 12
 KV = 512 << 10   # per worker: ~24 blocks of this model, so 6 requests per instance overload it
 
 
+# The vocabulary of the test model: its tables (embedding, head: 256 KiB each) small beside its layers, as a real
+# model's are beside its many layers (the default tokenizer's 49,152 rows would be 12 MiB each here, 8x the layers,
+# and a pipeline stage that gives its tables back would hold several times the KV whatever the split;
+# test_stage_tables.py and test_pipeline.py cover the tables).
+VOCAB = 1024
+
+
 @pytest.fixture(scope="module")
 def drop_checkpoint(tmp_path_factory):
     from tiny_models import build_tiny_checkpoint
 
     # 5 layers with a wide MLP (1.6 MiB per layer fp32): a dropped layer shows in the ledger and in RSS.
     return build_tiny_checkpoint("llama", tmp_path_factory.mktemp("drop") / "llama", 0, num_hidden_layers=5,
-                                 intermediate_size=2048)
+                                 intermediate_size=2048, vocab_size=VOCAB)
+
+
+class SmallVocab:
+    """The default tokenizer with its ids folded into VOCAB: prompts cut from real text stay varied."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text, add_special_tokens=False):
+        return [t % VOCAB for t in self.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
 
 
 @pytest.fixture(scope="module")
 def reference(drop_checkpoint):
-    return load_hf_model(drop_checkpoint)
+    model, tokenizer = load_hf_model(drop_checkpoint)
+    return model, SmallVocab(tokenizer)
 
 
 def _model(path, **options):
@@ -200,7 +218,9 @@ def test_drop_frees_the_layers_bytes_for_kv_blocks(drop_checkpoint, reference):
         page = dep.pool.call(0, "info")["page_size"]
         for w, (b, a) in enumerate(zip(before, after)):
             start, end = a["layers"]
-            dropped = sum(n for i, n in enumerate(per_layer) if not start <= i < end)
+            # the layers a stage stops holding, and the vocabulary tables it stops reading (stage_tables.py)
+            dropped = sum(n for i, n in enumerate(per_layer) if not start <= i < end) \
+                + b["table_bytes"] - a["table_bytes"]
             # The ledger drops by the dropped layers' bytes (each tensor padded to at most one page).
             assert 0 <= (b["weights_bytes"] - a["weights_bytes"]) - dropped <= 9 * page * (5 - (end - start)), w
             # RSS: at least 80 % of the dropped bytes went back to the OS at once.
@@ -377,5 +397,40 @@ def test_overload_mode_drop_acts_and_restores_on_its_own(drop_checkpoint, refere
         metrics = dep.metrics.registry.get_sample_value
         assert metrics("elastic_hf_param_drops_total", {"outcome": "committed"}) == 1
         assert metrics("elastic_hf_kv_exchange_bytes_total") > 0
+    for rid, prompt in zip(ids, prompts):
+        assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid
+
+
+def test_a_tied_table_goes_with_the_drop_and_comes_back_with_the_restore(tmp_path_factory):
+    """A tied model (the default model ties its 108 MiB table): the drop's first stage gives the one table back and
+    embeds from the host store's rows, the last stage keeps it as its head, the restore refills it into the packed
+    layout; the ledger moves by the table and the tokens are HF's across drop -> restore -> drop."""
+    from tiny_models import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint("llama", tmp_path_factory.mktemp("drop-tied") / "llama", 0, num_hidden_layers=4,
+                                 intermediate_size=512, tie_word_embeddings=True)
+    ref, tokenizer = load_hf_model(path)
+    table = 49152 * 64 * 4   # [vocab, hidden] fp32
+    prompts = mixed_prompts(tokenizer, 8, 8, 40, seed=51)
+    with _model(path, kv_cache_memory=2 * KV) as model:
+        dep = model.deployment
+        base = model.memory_report()["workers"]
+        assert [w["table_bytes"] for w in base] == [table, table]
+        run, ids = _started(dep, prompts)
+        assert model.drop() is not None
+        dropped = model.memory_report()["workers"]
+        assert [w["table_bytes"] for w in dropped] == [0, table]
+        assert [w["host_embedding_rows"] for w in dropped] == [True, False]
+        held = dropped[0]["layers"][1]
+        assert base[0]["weights_bytes"] - dropped[0]["weights_bytes"] > table + (4 - held) * 64 * 512 * 3 * 4
+        run.step(3)
+        assert model.restore() is not None
+        restored = model.memory_report()["workers"]
+        assert [w["table_bytes"] for w in restored] == [table, table] and not restored[0]["host_embedding_rows"]
+        assert [w["weights_bytes"] for w in restored] == [w["weights_bytes"] for w in base]
+        run.step(2)
+        assert model.drop() is not None
+        run.until(ids)
+        assert dep.num_computed_prompt_tokens == sum(map(len, prompts))   # moved, never recomputed
     for rid, prompt in zip(ids, prompts):
         assert run.done[rid] == hf_greedy(ref, prompt, MAX_NEW), rid

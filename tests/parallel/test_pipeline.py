@@ -20,8 +20,9 @@ def pp_checkpoint(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("pp-models")
     # 5 layers: an even split is 3/2 (the LM head stage holds fewer); wide MLP so a layer's pages show in RSS.
-    return lambda arch="llama", intermediate_size=1024: build_tiny_checkpoint(
-        arch, root / f"{arch}-{intermediate_size}", 0, num_hidden_layers=5, intermediate_size=intermediate_size)
+    return lambda arch="llama", intermediate_size=1024, tied=False: build_tiny_checkpoint(
+        arch, root / f"{arch}-{intermediate_size}-{tied}", 0, num_hidden_layers=5,
+        intermediate_size=intermediate_size, tie_word_embeddings=tied)
 
 
 @pytest.mark.parametrize("arch,topology", [("llama", "1x2"), ("qwen2", "1x2:1/4"), ("mistral", "1x2:4/1")])
@@ -38,19 +39,24 @@ def test_pp2_matches_hf_with_chunked_prefill(pp_checkpoint, arch, topology):
         bounds = [w["layers"] for w in workers]
         split = [int(n) for n in topology.split(":")[1].split("/")] if ":" in topology else [3, 2]
         assert bounds == [(0, split[0]), (split[0], 5)]
-        # Each stage commits only its own layers' weights: the difference is whole layers.
-        per_layer = (workers[0]["weights_bytes"] - workers[1]["weights_bytes"]) / (split[0] - split[1]) \
-            if split[0] != split[1] else None
+        # Each stage commits only its own layers' weights: beside the vocabulary tables, the difference is whole
+        # layers. The first stage holds no table (it embeds from the host store's rows), the last the head.
+        layer_bytes = [w["weights_bytes"] - w["table_bytes"] for w in workers]
+        per_layer = (layer_bytes[0] - layer_bytes[1]) / (split[0] - split[1]) if split[0] != split[1] else None
         if per_layer is not None:
             assert per_layer > 3 * 64 * 1024 * 4  # at least the MLP of a layer (3 x hidden x intermediate fp32)
+        head = 49152 * 64 * 4
+        assert [w["table_bytes"] for w in workers] == [0, head] and [w["host_embedding_rows"] for w in workers] \
+            == [True, False]
 
 
 def test_pp2_preempts_and_recomputes_exactly(pp_checkpoint):
-    path = pp_checkpoint("llama", intermediate_size=128)
+    path = pp_checkpoint("llama", intermediate_size=128, tied=True)
     reference, tokenizer = load_hf_model(path)
-    prompts = mixed_prompts(tokenizer, 10, 20, 60, seed=22)
+    prompts = mixed_prompts(tokenizer, 14, 60, 120, seed=22)
     # A KV cache too small for all of them at once (a stage's budget is the whole model's weights + 24 KiB; what
-    # the stage does not hold, ~25 blocks, is its KV): the scheduler preempts and recomputes.
+    # the last stage does not hold, 3 layers, ~58 blocks of its 2, is its KV; the first stage also gives back the
+    # tied table): the scheduler preempts and recomputes.
     with ElasticModel.from_pretrained(path, workers=2, topology="1x2", kv_cache_memory=24 << 10,
                                       max_num_batched_tokens=64) as model:
         dep = model.deployment
@@ -174,10 +180,13 @@ def test_pp_stage_holds_only_its_layers(pp_setup):
     report = dep.reshape(["1x2:4/1"])
     try:
         workers = dep.memory_report()
-        per_layer = (full[1] - workers[1]["weights_bytes"]) / 4   # stage 1 released layers 0-3
-        assert per_layer > 3 * 64 * 1024 * 4                      # at least one layer's MLP
-        assert full[0] - workers[0]["weights_bytes"] == pytest.approx(per_layer, rel=0.01)  # stage 0: layer 4
-        assert report.worker_stats[1]["layers_released_bytes"] == pytest.approx(4 * per_layer, rel=0.01)
+        table = 49152 * 64 * 4   # the untied embedding and head: [vocab, hidden] fp32 each
+        per_layer = (full[1] - workers[1]["weights_bytes"] - table) / 4   # stage 1: layers 0-3 and the embedding
+        assert per_layer > 3 * 64 * 1024 * 4                              # at least one layer's MLP
+        # stage 0: layer 4, and both tables (it embeds from the host store's rows and runs no head)
+        assert full[0] - workers[0]["weights_bytes"] - 2 * table == pytest.approx(per_layer, rel=0.01)
+        assert [w["table_bytes"] for w in workers] == [0, table]
+        assert report.worker_stats[1]["layers_released_bytes"] == pytest.approx(4 * per_layer + table, rel=0.01)
         assert rss_full[1] - workers[1]["rss_anon_bytes"] > 2 * per_layer   # the pages left the process
         # Each stage's KV blocks hold only its layers: stage 1's blocks are a quarter of stage 0's.
         assert workers[0]["kv_block_bytes"] >= 3 * workers[1]["kv_block_bytes"]
