@@ -52,7 +52,6 @@ class StageTables:
         self.head = hf_model.get_output_embeddings()
         tied = self.head is not None and self.embedding is not None and self.head.weight is self.embedding.weight
         self.tables: list[VocabTable] = []
-        self.end = offset
         placed = []
         if self.embedding is not None:
             placed.append((EMBED, (self.embedding, self.head) if tied else (self.embedding,),
@@ -63,9 +62,9 @@ class StageTables:
             weight = modules[0].weight
             table = self._source(key)
             refillable = table is not None and tuple(table.shape) == tuple(weight.shape)
-            rng = place_params([weight], arena, self.end)
+            rng = place_params([weight], arena, offset)
             self.tables.append(VocabTable(key, rng, tuple(weight.shape), weight.dtype, modules, uses, refillable))
-            self.end += rng.nbytes
+            offset += rng.nbytes
         # A first stage without its table reads rows from the store's copy, which must be the embedding's values.
         self.host_rows = self.embedding is not None and reads_rows_from_host(self.embedding, self._source(EMBED))
 
