@@ -34,7 +34,7 @@ from model_shapes import SHAPES  # noqa: E402
 from elastic_hf.layers.w4_linear import W4Linear  # noqa: E402
 from elastic_hf.layers.w8_linear import W8Linear  # noqa: E402
 from elastic_hf.native.build import SOURCE_DIR, build_source  # noqa: E402
-from elastic_hf.native.decode_gemm import packed_layout, reads_layout  # noqa: E402
+from elastic_hf.native.decode_gemm import bf16_dot_chosen, packed_layout, reads_layout  # noqa: E402
 from elastic_hf.native.quant_gemm import quant_gemm_supports  # noqa: E402
 
 W4_GROUP = 64
@@ -53,8 +53,13 @@ def base_source(kernel: str, rev: str, into: Path) -> Path:
 
 
 def decode_gemm_runner(lib: ctypes.CDLL, dtype: torch.dtype):
-    """(w, x, y, n, k, rows, threads) -> status of the library's decode_gemm entry point for `dtype`."""
-    fn = getattr(lib, "elastic_decode_gemm_f32" if dtype == torch.float32 else "elastic_decode_gemm_bf16")
+    """(w, x, y, n, k, rows, threads) -> status of the library's decode_gemm entry point for `dtype`: for bf16 the
+    one the engine takes on this CPU (vdpbf16ps where the build has it and native/decode_gemm.py's probe chose it,
+    else the widened fp32 FMAs)."""
+    name = "elastic_decode_gemm_f32" if dtype == torch.float32 else "elastic_decode_gemm_bf16"
+    if dtype == torch.bfloat16 and bf16_dot_chosen() and hasattr(lib, name + "_dot"):
+        name += "_dot"
+    fn = getattr(lib, name)
     fn.argtypes, fn.restype = [P, I64, P, P, P, I64, I64, I64, I64, ctypes.c_int], ctypes.c_int
     return lambda w, x, y, n, k, rows, threads: fn(x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n, rows, n,
                                                     k, threads)

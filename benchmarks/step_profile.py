@@ -8,7 +8,9 @@ writes), other tensor ops (norms, rotary, activations, residual adds, copies) an
 
 Every batch first prefills `--batches` prompts of `--context` tokens, then times `--steps` decode steps driven
 through `engine.step()` under torch.profiler; the shares are of the summed step wall time. Prints a table per
-batch and `RESULT step_ms_b<B> <ms>` and `RESULT step_non_gemm_share_b<B> <share>`.
+batch and `RESULT step_ms_b<B> <ms>` and `RESULT step_non_gemm_share_b<B> <share>`; at batch 1 also the step
+against the time to read its weights once at this machine's read bandwidth (benchmarks/decode_gemm.py's 1 GiB
+stream, best of the readings taken before and after the batch's rounds): `RESULT step_vs_bandwidth_bound_b1`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description, wikitext_prompts  # noqa: E402
+from decode_gemm import read_bandwidth  # noqa: E402
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm",
             "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "mkl::_mkl_linear",
@@ -118,6 +121,22 @@ def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, 
             "top_other": [(n, us / num_steps / 1e3) for us, n in top_other]}
 
 
+def streamed_weight_bytes(checkpoint: str | None, dtype: str) -> int:
+    """The bytes a decode step reads once whatever its batch: every decoder layer's linears and the LM head (an
+    untied embedding table only gives its tokens' rows; norms are noise), in `dtype`."""
+    from transformers import AutoConfig
+
+    from elastic_hf.model.loader import resolve_model
+
+    config = AutoConfig.from_pretrained(str(checkpoint or resolve_model(None).checkpoint_dir))
+    hidden, inter, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    q, kv = heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
+    elements = config.num_hidden_layers * per_layer + config.vocab_size * hidden
+    return elements * torch.finfo(getattr(torch, dtype)).bits // 8
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -155,11 +174,18 @@ def main(argv=None) -> int:
     print(f"model: {args.model or 'SmolLM2-135M-Instruct'} {args.dtype}, packed weights {args.packed_weights}; decode "
           f"steps at context ~{args.context}, {args.steps} steps per batch size; fused layers {', '.join(modes)}, "
           f"{rounds} round(s) alternating")
+    weight_bytes = streamed_weight_bytes(checkpoint, args.dtype)
     for batch in args.batches:
         results = {mode: [] for mode in modes}
+        bandwidth = read_bandwidth() if batch == 1 else 0.0
         for _ in range(rounds):
             for mode in modes:
                 results[mode].append(profile_batch(models[mode], prompts[:batch], args.steps))
+        if batch == 1:
+            bandwidth = max(bandwidth, read_bandwidth())
+            bound_ms = weight_bytes / bandwidth * 1e3
+            print(f"\nbatch 1 bound: {weight_bytes / 1e6:.0f} MB of weights a step at {bandwidth / 1e9:.1f} GB/s "
+                  f"(best reading) = {bound_ms:.1f} ms")
         for mode in modes:
             runs = results[mode]
             r = sorted(runs, key=lambda r: r["step_ms"])[len(runs) // 2]   # the median round
@@ -173,6 +199,8 @@ def main(argv=None) -> int:
             suffix = "" if len(modes) == 1 else f"_{mode}"
             print(f"RESULT step_ms_b{batch}{suffix} {r['step_ms']:.2f}")
             print(f"RESULT step_non_gemm_share_b{batch}{suffix} {1 - r['shares'].get('gemm', 0.0):.3f}")
+            if batch == 1:
+                print(f"RESULT step_vs_bandwidth_bound_b1{suffix} {r['step_ms'] / bound_ms:.3f}")
         if len(modes) == 2:
             med = {m: statistics.median(x["step_ms"] for x in results[m]) for m in modes}
             print(f"RESULT fused_layers_speedup_b{batch} {med['off'] / med['auto']:.3f}")

@@ -32,20 +32,28 @@ decoder layers pack in their own arena bytes instead (pack_linear_in_place / pac
 AVX2-only, where our kernel's AVX2 build reads the layout)."""
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
 from elastic_hf.layers.cpu_gemm import MIN_ONEDNN_NUMEL, OneDnnLinear, default_backend, onednn_available
-from elastic_hf.native.decode_gemm import (decode_gemm, decode_gemm_available, packed_data_ptr, packed_layout,
-                                           reads_layout, reads_packed)
+from elastic_hf.native.decode_gemm import (bf16_dot_chosen, decode_gemm, decode_gemm_available, packed_data_ptr,
+                                           packed_layout, reads_layout, reads_packed)
 
 # oneDNN picks the blocked layout for this many rows; measured equally good from decode (M=1) to prefill (M=512).
 PACK_BATCH_HINT = 32
 # From this many rows an fp32 product goes to oneDNN's inner product even where our kernel can read the weight: there
 # the product is compute-bound and oneDNN's fp32 kernel the faster one (the default model's 30 layers of linears,
 # 2 threads, ours / oneDNN: 96 rows 62.7 / 66.7 ms, 128 rows 86.8 / 84.9, 200 rows 143 / 135, 465 rows 340 / 301,
-# 1000 rows 741 / 656). bf16 stays on ours at every row count (oneDNN's vdpbf16ps runs at half the FMA rate).
+# 1000 rows 741 / 656).
 ONEDNN_FP32_FROM_ROWS = 128
+# The same for bf16 where our kernel runs on vdpbf16ps (native/decode_gemm.py bf16_dot_chosen: it issues at an FMA's
+# rate there, so oneDNN's brgemm, built on it, is fast too and blocks a prefill's rows better. oneDNN time / ours on
+# AMD Zen 4 (benchmarks/decode_gemm.py): default model 96 rows 1.09, 128 rows 0.98-1.03, 256 rows 0.88, 512 rows 0.89;
+# Llama-3.2-1B's shapes 32 rows 1.10, 64 rows 0.90, 128 rows 0.86, 512 rows 0.85. Where vdpbf16ps runs at half rate
+# (the Xeon of session 45) ours is ahead at every row count and bf16 stays on it.
+ONEDNN_BF16_DOT_FROM_ROWS = 128
 
 
 def packing_available() -> bool:
@@ -69,9 +77,8 @@ class PackedLinear(nn.Linear):
 def packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                    direct: DirectProduct | None) -> torch.Tensor:
     """x @ W.T (+ bias) for a oneDNN-packed W: native/decode_gemm.c where `direct` is its handle on W and x has W's
-    dtype (fp32: below ONEDNN_FP32_FROM_ROWS rows), else oneDNN's inner product. [..., in] -> [..., out]."""
-    if direct is not None and x.dtype == direct.dtype and (
-            direct.in_arena or x.dtype != torch.float32 or x.numel() < ONEDNN_FP32_FROM_ROWS * x.shape[-1]):
+    dtype, below `direct.onednn_from_rows` rows, else oneDNN's inner product. [..., in] -> [..., out]."""
+    if direct is not None and x.dtype == direct.dtype and x.numel() < direct.onednn_from_rows * x.shape[-1]:
         return decode_gemm(x, direct.weight_ptr, bias, direct.out_features)
     if direct is not None and direct.in_arena:   # no oneDNN tensor to fall back on
         raise TypeError(f"a linear packed in the weights arena multiplies {direct.dtype} inputs only, got {x.dtype}")
@@ -84,14 +91,22 @@ class DirectProduct:
     holds the packed tensor, so the address stays valid while it lives (an opaque oneDNN tensor cannot be deep-copied
     or pickled, so neither can a packed linear: no copy can keep a stale address)."""
 
-    __slots__ = ("packed", "weight_ptr", "dtype", "out_features", "in_arena")
+    __slots__ = ("packed", "weight_ptr", "dtype", "out_features", "in_arena", "onednn_from_rows")
 
     def __init__(self, packed: torch.Tensor, dtype: torch.dtype, out_features: int):
         self.packed, self.dtype, self.out_features = packed, dtype, out_features
         # A plain tensor holding the packed bytes (pack_in_place: the weights arena) has no oneDNN twin: every row
-        # count runs the native kernel (fp32 from 128 rows a few % behind oneDNN's, see ONEDNN_FP32_FROM_ROWS).
+        # count runs the native kernel (a few % behind oneDNN's from ONEDNN_*_FROM_ROWS rows).
         self.in_arena = not packed.is_mkldnn
         self.weight_ptr = packed.data_ptr() if self.in_arena else packed_data_ptr(packed)
+        self.onednn_from_rows = _onednn_from_rows(dtype) if not self.in_arena else sys.maxsize
+
+
+def _onednn_from_rows(dtype: torch.dtype) -> int:
+    """Row count from which a product with a oneDNN twin goes to oneDNN (sys.maxsize: never)."""
+    if dtype == torch.float32:
+        return ONEDNN_FP32_FROM_ROWS
+    return ONEDNN_BF16_DOT_FROM_ROWS if dtype == torch.bfloat16 and bf16_dot_chosen() else sys.maxsize
 
 
 def direct_product(packed: torch.Tensor, out_features: int, in_features: int, dtype: torch.dtype,

@@ -5,8 +5,9 @@
  * the memory system busy at those shapes; and its bf16 kernel is built on vdpbf16ps, which on the AVX-512 Xeon this
  * was measured on issues at half the rate of an fp32 FMA, so at 8+ rows it is compute-bound at ~4 GB/s of weights.
  * This kernel walks the packed weight once, front to back, with up to ROW_TILE rows of x in registers, widens bf16
- * weights to fp32 in registers (a mask and a shift) and multiplies with fp32 FMAs. The default model's 30 layers and
- * head, 2 threads (benchmarks/decode_gemm.py): bf16 ~1.2x oneDNN at 1 row, ~1.3x at 32, ~1.5x at 128; fp32 ~1.2x at
+ * weights to fp32 in registers (a mask and a shift) and multiplies with fp32 FMAs, or, where vdpbf16ps issues at an
+ * FMA's rate (AMD Zen 4), multiplies bf16 pairs with vdpbf16ps itself (tile_bf16_dot). The default model's 30 layers
+ * and head, 2 threads (benchmarks/decode_gemm.py): bf16 ~1.2x oneDNN at 1 row, ~1.3x at 32, ~1.5x at 128; fp32 ~1.2x at
  * 1 row (session 45, before the next-chunk prefetch below; see benchmarks/RESULTS.md for the figures after it).
  *
  * Packed layouts read (oneDNN's format tags for an [N, K] = "ab" weight; native/decode_gemm.py checks, for every
@@ -41,6 +42,8 @@
  * compute-bound on widening, in 128 KiB chunks (the partial sums' loads and stores cost more than L1 saves) */
 #define K_CHUNK_TILES_F32 4
 #define K_CHUNK_TILES_BF16 32
+#define K_CHUNK_TILES_BF16_DOT 4    /* vdpbf16ps: no widening, so L1-sized chunks as fp32 */
+#define BF16_DOT_FROM_ROWS 3         /* fewer rows take the widened walk (see elastic_decode_gemm_bf16_dot) */
 #define K_CHUNK_TILES_BF16_AVX2 4   /* the AVX2 tile walks strip by strip: 16 KiB chunks that stay in L1 */
 #define PREFETCH_BYTES 8192      /* software prefetch into L2, two 4 KiB tiles ahead in the weight stream */
 
@@ -332,6 +335,48 @@ AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t l
 }
 
 DEFINE_STRIPS(strips_bf16, tile_bf16, uint16_t, float, uint16_t, 32, K_CHUNK_TILES_BF16, 0)
+
+/* The same walk on vdpbf16ps itself: x stays bf16 (no widening pass), each broadcast is one row's k-pair and one
+ * instruction adds both products of 16 outputs, odd then even, each rounded: the emulation above bit for bit, except
+ * that vdpbf16ps treats denormal inputs and outputs as zero. Where it issues at an FMA's rate (AMD Zen 4: 32
+ * multiply-adds an instruction against the emulation's 16 plus a mask or shift), this is twice the arithmetic rate;
+ * where it issues at half that (the Xeon above) it is no faster. Which of the two a process runs is measured once,
+ * at first use (native/decode_gemm.py). */
+AI void tile_bf16_dot(const uint16_t *w, int64_t k_tiles, const uint16_t *x, int64_t ldx, uint16_t *y,
+                      int64_t ldy, const uint16_t *bias, float *partial, int first, int last, const NextChunk *pf,
+                      int s0, const int ns, const int rows)
+{
+    __m512 acc[ROW_TILE][STRIPS_PER_BLOCK];
+    LOAD_PARTIAL(acc, partial, first, s0, ns, rows)
+    const int64_t per_it = prefetch_rows_per_iteration(pf, k_tiles);
+    for (int64_t kt = 0; kt < k_tiles; kt++) {
+        const uint16_t *tile = w + kt * 16 * 64 * 2;          /* [16 k-pairs][64 n][2] */
+        prefetch_weight(pf, kt, per_it, (const char *)tile, s0, 1);
+        for (int kp = 0; kp < 16; kp++) {
+            __m512bh wv[STRIPS_PER_BLOCK];
+            for (int j = 0; j < ns; j++)
+                wv[j] = (__m512bh)_mm512_loadu_si512((const void *)(tile + (kp * 64 + 16 * (s0 + j)) * 2));
+            const int64_t k = (kt * 16 + kp) * 2;
+            for (int m = 0; m < rows; m++) {
+                int32_t pair;                                   /* x[m, k] and x[m, k + 1] */
+                memcpy(&pair, x + m * ldx + k, sizeof pair);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                for (int j = 0; j < ns; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv[j], xb);
+            }
+        }
+    }
+    STORE_PARTIAL(acc, partial, last, s0, ns, rows)
+    for (int j = 0; j < ns; j++) {
+        __m512 b = _mm512_setzero_ps();
+        if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + 16 * (s0 + j)))), 16));
+        for (int m = 0; m < rows; m++)
+            _mm256_storeu_si256((void *)(y + m * ldy + 16 * (s0 + j)),
+                                (__m256i)_mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j]));
+    }
+}
+
+DEFINE_STRIPS(strips_bf16_dot, tile_bf16_dot, uint16_t, uint16_t, uint16_t, 32, K_CHUNK_TILES_BF16_DOT, 0)
 #elif defined(HAVE_BF16)
 /* AVX2 + FMA: as the AVX-512 tile, a ymm of packed weight (8 outputs x one k-pair) splits into its odd and even
  * halves by a mask and a shift, the odd product first, then the even one, in fp32 FMAs; strips in groups as the AVX2
@@ -483,6 +528,34 @@ int elastic_decode_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, 
             float *partial = partial_sums();
             SHARE(strips, first, last)
             if (partial) strips_bf16(w, k, widened, k, y + m0 * ldy, ldy, bias, partial, rows, first, last);
+            else failed = 1;
+        }
+    }
+    return failed ? -2 : 0;
+#else
+    (void)x; (void)ldx; (void)w; (void)bias; (void)y; (void)ldy; (void)m; (void)n; (void)k; (void)threads;
+    return -1;
+#endif
+}
+
+/* The bf16 product on vdpbf16ps (tile_bf16_dot): x read as it is, no widened copy. Returns -1 where this build
+ * has no AVX512-BF16. */
+int elastic_decode_gemm_bf16_dot(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+                                 uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int threads)
+{
+#if defined(BF16_AVX512)
+    if (m < 1 || n % 64 || k % 32) return -1;
+    if (m <= BF16_DOT_FROM_ROWS - 1)         /* the same bits, and at 1-2 rows the widened walk streams faster */
+        return elastic_decode_gemm_bf16(x, ldx, w, bias, y, ldy, m, n, k, threads);
+    const int64_t strips = n / 16;
+    int failed = 0;
+    for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
+        const int64_t rows = m - m0 < ROW_CHUNK ? m - m0 : ROW_CHUNK;
+        #pragma omp parallel num_threads(threads > 1 && strips > 1 ? threads : 1) reduction(|: failed)
+        {
+            float *partial = partial_sums();
+            SHARE(strips, first, last)
+            if (partial) strips_bf16_dot(w, k, x + m0 * ldx, ldx, y + m0 * ldy, ldy, bias, partial, rows, first, last);
             else failed = 1;
         }
     }

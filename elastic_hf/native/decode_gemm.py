@@ -3,11 +3,16 @@
 and at 1-112 rows in fp32, behind it from 128 fp32 rows, where packed linears route to oneDNN
 (layers/packed_linear.py ONEDNN_FP32_FROM_ROWS; benchmarks/decode_gemm.py, benchmarks/RESULTS.md). On an AVX2-only
 CPU it is built with ymm tiles; oneDNN packs no bf16 there, so bf16 weights are packed in place (`packed_layout`),
-and its fp32 blocking is the kernel's layout for some shapes only (checked per shape, as everywhere)."""
+and its fp32 blocking is the kernel's layout for some shapes only (checked per shape, as everywhere). bf16 runs on
+widened fp32 FMAs or on vdpbf16ps, whichever a probe at first use finds faster on this CPU (`bf16_dot_chosen`); on
+vdpbf16ps (AMD Zen 4: 1.2-1.5x oneDNN at 8-32 rows) bf16 products from 128 rows go to oneDNN
+(ONEDNN_BF16_DOT_FROM_ROWS)."""
 from __future__ import annotations
 
 import ctypes
 import os
+import statistics
+import time
 from functools import cache
 
 import torch
@@ -23,6 +28,12 @@ _BLOCK_N = 64
 _K_TILE = {torch.float32: 16, torch.bfloat16: 32}
 
 ENV_VAR = "ELASTIC_HF_DECODE_GEMM"
+BF16_DOT_ENV_VAR = "ELASTIC_HF_BF16_DOT"
+_BF16_DOT_ENTRY_POINT = "elastic_decode_gemm_bf16_dot"
+# bf16_dot_chosen's probe: 16 rows x a [512, 1024] weight (1 MiB, in L2), 5 alternating rounds of 4 calls each;
+# vdpbf16ps is taken only where it is at least 10 % faster
+_PROBE_ROWS, _PROBE_N, _PROBE_K = 16, 512, 1024
+_PROBE_ROUNDS, _PROBE_CALLS, _PROBE_MARGIN = 5, 4, 1.1
 
 
 def decode_gemm_enabled() -> bool:
@@ -41,7 +52,50 @@ def _kernel(dtype: torch.dtype):
     has = bind("decode_gemm", "elastic_decode_gemm_has", [_int], _int)
     if not has(int(dtype == torch.bfloat16)):
         return None          # compiled for a CPU with neither AVX-512 nor AVX2 + FMA
+    if dtype == torch.bfloat16 and bf16_dot_chosen():
+        return bind("decode_gemm", _BF16_DOT_ENTRY_POINT, _SIGNATURE, _int)
     return bind("decode_gemm", _ENTRY_POINTS[dtype], _SIGNATURE, _int)
+
+
+def _bf16_dot_setting() -> str:
+    setting = os.environ.get(BF16_DOT_ENV_VAR, "auto").strip().lower()
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"{BF16_DOT_ENV_VAR}={setting!r} is not one of auto, 0, 1")
+    return setting
+
+
+@cache
+def bf16_dot_chosen() -> bool:
+    """Whether bf16 products run on vdpbf16ps (decode_gemm.c tile_bf16_dot) rather than widened fp32 FMAs. The two
+    give the same bits (but for denormals, which vdpbf16ps flushes), so the faster one is taken: on AMD Zen 4
+    vdpbf16ps issues at an FMA's rate and does twice the multiply-adds (default model's linears at 32 rows 1.7x), on
+    the Xeon measured in session 45 at half of it. Measured here once a process, on a product that fits in L2 (the
+    arithmetic rate decides; both stream a weight from DRAM alike), unless ELASTIC_HF_BF16_DOT=0|1 says. The choice
+    also sends bf16 prefills to oneDNN (layers/packed_linear.py ONEDNN_BF16_DOT_FROM_ROWS), whose sums are ordered
+    otherwise: the 10 % margin keeps the CPUs measured (1.6-1.8x, or at most level) from choosing differently in two
+    processes; a CPU at the margin should pin it with the variable."""
+    setting = _bf16_dot_setting()
+    if setting == "0" or load_library("decode_gemm") is None:
+        return False
+    dot = bind("decode_gemm", _BF16_DOT_ENTRY_POINT, _SIGNATURE, _int)
+    probe_x = torch.randn(_PROBE_ROWS, _PROBE_K).to(torch.bfloat16)                     # [M, K]
+    probe_w = packed_layout(torch.randn(_PROBE_N, _PROBE_K).to(torch.bfloat16)).contiguous()
+    out = torch.empty(_PROBE_ROWS, _PROBE_N, dtype=torch.bfloat16)                       # [M, N]
+    args = (probe_x.data_ptr(), _PROBE_K, probe_w.data_ptr(), None, out.data_ptr(), _PROBE_N, _PROBE_ROWS,
+            _PROBE_N, _PROBE_K, torch.get_num_threads())
+    if dot(*args) != 0:
+        return False         # built without AVX512-BF16
+    if setting == "1":
+        return True
+    widened = bind("decode_gemm", _ENTRY_POINTS[torch.bfloat16], _SIGNATURE, _int)
+    times: dict[str, list[float]] = {"dot": [], "widened": []}
+    for _ in range(_PROBE_ROUNDS):       # alternating, so a neighbour's burst falls on both
+        for name, fn in (("dot", dot), ("widened", widened)):
+            start = time.perf_counter()
+            for _ in range(_PROBE_CALLS):
+                fn(*args)
+            times[name].append(time.perf_counter() - start)
+    return statistics.median(times["dot"]) * _PROBE_MARGIN < statistics.median(times["widened"])
 
 
 def decode_gemm_available(dtype: torch.dtype) -> bool:
@@ -143,8 +197,8 @@ def decode_gemm(x: torch.Tensor, weight_ptr: int, bias: torch.Tensor | None, out
     status = _kernel(x.dtype)(rows.data_ptr(), row_stride, weight_ptr, None if bias is None else bias.data_ptr(),
                               out.data_ptr(), out_features, num_rows, out_features, k, torch.get_num_threads())
     if status == -2:
-        raise MemoryError(f"decode_gemm could not allocate its scratch: {64 * 256 * 4} bytes of partial sums a "
-                          f"thread, and for bf16 {min(num_rows, 256) * k * 4} bytes of widened input")
+        raise MemoryError(f"decode_gemm could not allocate its scratch: {64 * 128 * 4} bytes of partial sums a "
+                          f"thread, and for bf16 on fp32 FMAs {min(num_rows, 128) * k * 4} bytes of widened input")
     if status != 0:
         raise ValueError(f"decode_gemm takes no [{num_rows}, {k}] x [{out_features}, {k}] product")
     return out

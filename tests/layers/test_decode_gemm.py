@@ -143,3 +143,56 @@ def test_a_copy_of_the_source_builds_to_the_same_bits(dtype, tmp_path):
     got = torch.empty(rows, n, dtype=dtype)
     assert fn(x.data_ptr(), k, packed.data_ptr(), None, got.data_ptr(), n, rows, n, k, 2) == 0
     assert torch.equal(got, dg.decode_gemm(x, packed.data_ptr(), None, n))
+
+
+def _bf16_entry(name):
+    import ctypes
+
+    from elastic_hf.native.build import bind, load_library
+    if load_library("decode_gemm") is None:
+        pytest.skip("no native kernels on this machine")
+    return bind("decode_gemm", name, dg._SIGNATURE, ctypes.c_int)
+
+
+def test_bf16_on_vdpbf16ps_gives_the_widened_kernels_bits():
+    """tile_bf16_dot (vdpbf16ps) and tile_bf16 (widened fp32 FMAs) sum in the same order with the same roundings, so
+    whichever the probe takes, a bf16 model's tokens are the same: bit-equal products at every row-tile size, over a
+    K chunk boundary and past ROW_CHUNK rows, with a bias and a row stride (denormal-free values: vdpbf16ps flushes
+    those)."""
+    dot = _bf16_entry(dg._BF16_DOT_ENTRY_POINT)
+    widened = _bf16_entry(dg._ENTRY_POINTS[torch.bfloat16])
+    torch.manual_seed(5)
+    n, k = 192, 2048                       # 64 K tiles: 16 of the dot tile's 4-tile chunks
+    packed = dg.packed_layout((torch.randn(n, k) * 0.05).to(torch.bfloat16)).contiguous()
+    bias = torch.randn(n).to(torch.bfloat16)
+    wide = torch.randn(300, k + 64).to(torch.bfloat16)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 300):
+        x = wide[:rows, 32:32 + k]                                   # [rows, k], rows k + 64 elements apart
+        for b in (None, bias):
+            outs = []
+            for fn in (dot, widened):
+                y = torch.empty(rows, n, dtype=torch.bfloat16)
+                status = fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(),
+                            y.data_ptr(), n, rows, n, k, 2)
+                if fn is dot and status == -1:
+                    pytest.skip("built without AVX512-BF16: no vdpbf16ps kernel")
+                assert status == 0
+                outs.append(y)
+            assert torch.equal(outs[0], outs[1]), (rows, b is None)
+
+
+def test_the_bf16_dot_setting(monkeypatch):
+    monkeypatch.setenv(dg.BF16_DOT_ENV_VAR, "0")
+    assert dg.bf16_dot_chosen.__wrapped__() is False
+    monkeypatch.setenv(dg.BF16_DOT_ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="ELASTIC_HF_BF16_DOT='fast' is not one of auto, 0, 1"):
+        dg.bf16_dot_chosen.__wrapped__()
+    monkeypatch.setenv(dg.BF16_DOT_ENV_VAR, "1")      # forced: taken wherever the build has AVX512-BF16
+    x, w, y = (torch.zeros(size, dtype=torch.bfloat16) for size in (32, 64 * 32, 64))
+    has_dot = _bf16_entry(dg._BF16_DOT_ENTRY_POINT)(x.data_ptr(), 32, w.data_ptr(), None, y.data_ptr(), 64, 1, 64,
+                                                    32, 1) == 0
+    assert dg.bf16_dot_chosen.__wrapped__() is has_dot
+    from pathlib import Path
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():        # built with -march=native: the kernel exactly where the CPU has it
+        assert has_dot == ("avx512_bf16" in cpuinfo.read_text())

@@ -67,6 +67,34 @@ def test_fp32_products_of_many_rows_go_to_onednn(monkeypatch):
     assert calls == [(1, 1, 576), (1, limit - 1, 576)]
 
 
+@needs_bf16_packing
+@pytest.mark.skipif(not decode_gemm_available(torch.bfloat16), reason="no native bf16 decode GEMM on this CPU")
+@pytest.mark.parametrize("dot", [True, False])
+def test_bf16_products_of_many_rows_go_to_onednn_where_vdpbf16ps_is_fast(monkeypatch, dot):
+    """Where our bf16 kernel runs on vdpbf16ps (the probe chose it), products from ONEDNN_BF16_DOT_FROM_ROWS rows go
+    to oneDNN's brgemm, built on the same instruction; where it does not, every row count stays on ours."""
+    from elastic_hf.layers import packed_linear
+    from elastic_hf.native.decode_gemm import reads_packed
+    if not reads_packed(1536, 576, torch.bfloat16, packed_linear.PACK_BATCH_HINT):
+        pytest.skip("oneDNN's bf16 packing is not the kernel's layout on this CPU (packed in place: ours only)")
+    monkeypatch.setattr(packed_linear, "bf16_dot_chosen", lambda: dot)
+    torch.manual_seed(3)
+    linear = nn.Linear(576, 1536).to(torch.bfloat16)
+    reference = nn.Linear(576, 1536).to(torch.bfloat16)
+    reference.load_state_dict(linear.state_dict())
+    pack_linear(linear)
+    assert linear.direct is not None
+    calls = []
+    native = packed_linear.decode_gemm
+    monkeypatch.setattr(packed_linear, "decode_gemm", lambda *a: calls.append(a[0].shape[1]) or native(*a))
+    limit = packed_linear.ONEDNN_BF16_DOT_FROM_ROWS
+    for rows in (1, limit - 1, limit, 2 * limit):
+        x = torch.randn(1, rows, 576).to(torch.bfloat16)
+        expected = reference(x).float()
+        assert (linear(x).float() - expected).abs().max() <= 2e-2 * expected.abs().max()
+    assert calls == ([1, limit - 1] if dot else [1, limit - 1, limit, 2 * limit])
+
+
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_members_give_their_own_results(dtype, bias):
