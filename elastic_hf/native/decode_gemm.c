@@ -293,6 +293,20 @@ DEFINE_STRIPS(strips_f32, tile_f32, float, float, float, 16, K_CHUNK_TILES_F32, 
  * odd and even halves, widened by a mask and a shift, and goes through two fp32 FMAs: the odd product first, then the
  * even one, each rounded, which is vdpbf16ps's own definition (so results equal oneDNN's), at the FMA ports' rate.
  * vdpbf16ps itself issues at half the FMA rate on the CPUs measured, so at 4+ rows it would be the bound. */
+/* A bf16 row tile's outputs after its last K chunk: the fp32 sums plus the bias, rounded to nearest even once. */
+AI void store_bf16_tile(__m512 acc[ROW_TILE][STRIPS_PER_BLOCK], uint16_t *y, int64_t ldy, const uint16_t *bias,
+                        int s0, const int ns, const int rows)
+{
+    for (int j = 0; j < ns; j++) {
+        __m512 b = _mm512_setzero_ps();
+        if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + 16 * (s0 + j)))), 16));
+        for (int m = 0; m < rows; m++)
+            _mm256_storeu_si256((void *)(y + m * ldy + 16 * (s0 + j)),
+                                (__m256i)_mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j]));
+    }
+}
+
 AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t ldx, uint16_t *y, int64_t ldy,
                   const uint16_t *bias, float *partial, int first, int last, const NextChunk *pf, int s0,
                   const int ns, const int rows)
@@ -324,14 +338,7 @@ AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t l
         }
     }
     STORE_PARTIAL(acc, partial, last, s0, ns, rows)
-    for (int j = 0; j < ns; j++) {
-        __m512 b = _mm512_setzero_ps();
-        if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + 16 * (s0 + j)))), 16));
-        for (int m = 0; m < rows; m++)
-            _mm256_storeu_si256((void *)(y + m * ldy + 16 * (s0 + j)),
-                                (__m256i)_mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j]));
-    }
+    store_bf16_tile(acc, y, ldy, bias, s0, ns, rows);
 }
 
 DEFINE_STRIPS(strips_bf16, tile_bf16, uint16_t, float, uint16_t, 32, K_CHUNK_TILES_BF16, 0)
@@ -366,14 +373,7 @@ AI void tile_bf16_dot(const uint16_t *w, int64_t k_tiles, const uint16_t *x, int
         }
     }
     STORE_PARTIAL(acc, partial, last, s0, ns, rows)
-    for (int j = 0; j < ns; j++) {
-        __m512 b = _mm512_setzero_ps();
-        if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + 16 * (s0 + j)))), 16));
-        for (int m = 0; m < rows; m++)
-            _mm256_storeu_si256((void *)(y + m * ldy + 16 * (s0 + j)),
-                                (__m256i)_mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j]));
-    }
+    store_bf16_tile(acc, y, ldy, bias, s0, ns, rows);
 }
 
 DEFINE_STRIPS(strips_bf16_dot, tile_bf16_dot, uint16_t, uint16_t, uint16_t, 32, K_CHUNK_TILES_BF16_DOT, 0)
@@ -472,6 +472,33 @@ static float *partial_sums(void)
     return sums;
 }
 
+/* A product whose strips read x as it is (fp32; bf16 on vdpbf16ps), in passes of ROW_CHUNK rows, each on all the
+ * threads, each thread its share of the strips. Returns 0, or -2 where a thread's partial sums could not be had. */
+#define DEFINE_PASSES(NAME, STRIPS_FN, T) \
+static int NAME(const T *x, int64_t ldx, const T *w, const T *bias, T *y, int64_t ldy, int64_t m, int64_t n, \
+                int64_t k, int threads) \
+{ \
+    const int64_t strips = n / 16; \
+    int failed = 0; \
+    for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) { \
+        const int64_t rows = m - m0 < ROW_CHUNK ? m - m0 : ROW_CHUNK; \
+        _Pragma("omp parallel num_threads(threads > 1 && strips > 1 ? threads : 1) reduction(|: failed)") \
+        { \
+            float *partial = partial_sums(); \
+            SHARE(strips, first, last) \
+            if (partial) STRIPS_FN(w, k, x + m0 * ldx, ldx, y + m0 * ldy, ldy, bias, partial, rows, first, last); \
+            else failed = 1; \
+        } \
+    } \
+    return failed ? -2 : 0; \
+}
+#if defined(HAVE_F32)
+DEFINE_PASSES(passes_f32, strips_f32, float)
+#endif
+#if defined(BF16_AVX512)
+DEFINE_PASSES(passes_bf16_dot, strips_bf16_dot, uint16_t)
+#endif
+
 /* Entry points. x: [m, k] with row stride ldx; y: [m, n] with row stride ldy; bias: [n] or NULL; w: packed as
  * above. Returns 0, or -1 where this build or these shapes have no kernel (the caller then runs oneDNN). */
 int elastic_decode_gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
@@ -479,19 +506,7 @@ int elastic_decode_gemm_f32(const float *x, int64_t ldx, const float *w, const f
 {
 #if defined(HAVE_F32)
     if (m < 1 || n % 64 || k % 16) return -1;
-    const int64_t strips = n / 16;
-    int failed = 0;
-    for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
-        const int64_t rows = m - m0 < ROW_CHUNK ? m - m0 : ROW_CHUNK;
-        #pragma omp parallel num_threads(threads > 1 && strips > 1 ? threads : 1) reduction(|: failed)
-        {
-            float *partial = partial_sums();
-            SHARE(strips, first, last)
-            if (partial) strips_f32(w, k, x + m0 * ldx, ldx, y + m0 * ldy, ldy, bias, partial, rows, first, last);
-            else failed = 1;
-        }
-    }
-    return failed ? -2 : 0;
+    return passes_f32(x, ldx, w, bias, y, ldy, m, n, k, threads);
 #else
     (void)x; (void)ldx; (void)w; (void)bias; (void)y; (void)ldy; (void)m; (void)n; (void)k; (void)threads;
     return -1;
@@ -547,19 +562,7 @@ int elastic_decode_gemm_bf16_dot(const uint16_t *x, int64_t ldx, const uint16_t 
     if (m < 1 || n % 64 || k % 32) return -1;
     if (m <= BF16_DOT_FROM_ROWS - 1)         /* the same bits, and at 1-2 rows the widened walk streams faster */
         return elastic_decode_gemm_bf16(x, ldx, w, bias, y, ldy, m, n, k, threads);
-    const int64_t strips = n / 16;
-    int failed = 0;
-    for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
-        const int64_t rows = m - m0 < ROW_CHUNK ? m - m0 : ROW_CHUNK;
-        #pragma omp parallel num_threads(threads > 1 && strips > 1 ? threads : 1) reduction(|: failed)
-        {
-            float *partial = partial_sums();
-            SHARE(strips, first, last)
-            if (partial) strips_bf16_dot(w, k, x + m0 * ldx, ldx, y + m0 * ldy, ldy, bias, partial, rows, first, last);
-            else failed = 1;
-        }
-    }
-    return failed ? -2 : 0;
+    return passes_bf16_dot(x, ldx, w, bias, y, ldy, m, n, k, threads);
 #else
     (void)x; (void)ldx; (void)w; (void)bias; (void)y; (void)ldy; (void)m; (void)n; (void)k; (void)threads;
     return -1;
