@@ -33,10 +33,15 @@ from elastic_hf.native.decode_gemm import (decode_gemm, decode_gemm_available, p
 
 
 def linear_shapes(shape: str) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
-    """([out, in] of one decoder layer's packed linears, number of layers, [out, in] of the LM head)."""
-    cfg = SHAPES[shape]
+    """([out, in] of one decoder layer's packed linears, number of layers, [out, in] of the LM head) of a shape of
+    benchmarks/model_shapes.py."""
+    return config_linear_shapes(SHAPES[shape])
+
+
+def config_linear_shapes(cfg: dict) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
+    """The same from a config.json's fields (a model_shapes entry or a checkpoint's config as a dict)."""
     hidden, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim", hidden // heads)
+    head_dim = cfg.get("head_dim") or hidden // heads
     q, kv = heads * head_dim, cfg["num_key_value_heads"] * head_dim
     layer = [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
     return layer, cfg["num_hidden_layers"], (cfg["vocab_size"], hidden)

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description, wikitext_prompts  # noqa: E402
-from decode_gemm import read_bandwidth  # noqa: E402
+from decode_gemm import config_linear_shapes, read_bandwidth  # noqa: E402
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm",
             "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "mkl::_mkl_linear",
@@ -129,11 +129,8 @@ def streamed_weight_bytes(checkpoint: str | None, dtype: str) -> int:
     from elastic_hf.model.loader import resolve_model
 
     config = AutoConfig.from_pretrained(str(checkpoint or resolve_model(None).checkpoint_dir))
-    hidden, inter, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    q, kv = heads * head_dim, config.num_key_value_heads * head_dim
-    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
-    elements = config.num_hidden_layers * per_layer + config.vocab_size * hidden
+    layer, num_layers, (vocab, hidden) = config_linear_shapes(config.to_dict())
+    elements = num_layers * sum(n * k for n, k in layer) + vocab * hidden
     return elements * torch.finfo(getattr(torch, dtype)).bits // 8
 
 

@@ -289,10 +289,6 @@ DEFINE_STRIPS(strips_f32, tile_f32, float, float, float, 16, K_CHUNK_TILES_F32, 
 
 /* ---------------------------------------------------------------------------------------------------------- bf16 */
 #if defined(BF16_AVX512)
-/* x arrives widened to fp32 (xf, [rows, k]); each packed weight register (16 outputs x one k-pair) is split into its
- * odd and even halves, widened by a mask and a shift, and goes through two fp32 FMAs: the odd product first, then the
- * even one, each rounded, which is vdpbf16ps's own definition (so results equal oneDNN's), at the FMA ports' rate.
- * vdpbf16ps itself issues at half the FMA rate on the CPUs measured, so at 4+ rows it would be the bound. */
 /* A bf16 row tile's outputs after its last K chunk: the fp32 sums plus the bias, rounded to nearest even once. */
 AI void store_bf16_tile(__m512 acc[ROW_TILE][STRIPS_PER_BLOCK], uint16_t *y, int64_t ldy, const uint16_t *bias,
                         int s0, const int ns, const int rows)
@@ -307,6 +303,11 @@ AI void store_bf16_tile(__m512 acc[ROW_TILE][STRIPS_PER_BLOCK], uint16_t *y, int
     }
 }
 
+/* x arrives widened to fp32 (xf, [rows, k]); each packed weight register (16 outputs x one k-pair) is split into its
+ * odd and even halves, widened by a mask and a shift, and goes through two fp32 FMAs: the odd product first, then the
+ * even one, each rounded, which is vdpbf16ps's own definition (so results equal oneDNN's), at the FMA ports' rate.
+ * On the Xeon of session 45 vdpbf16ps itself issues at half the FMA rate, so at 4+ rows it would be the bound there
+ * (where it issues at the full rate, tile_bf16_dot below is the faster walk). */
 AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t ldx, uint16_t *y, int64_t ldy,
                   const uint16_t *bias, float *partial, int first, int last, const NextChunk *pf, int s0,
                   const int ns, const int rows)
@@ -560,7 +561,7 @@ int elastic_decode_gemm_bf16_dot(const uint16_t *x, int64_t ldx, const uint16_t 
 {
 #if defined(BF16_AVX512)
     if (m < 1 || n % 64 || k % 32) return -1;
-    if (m <= BF16_DOT_FROM_ROWS - 1)         /* the same bits, and at 1-2 rows the widened walk streams faster */
+    if (m < BF16_DOT_FROM_ROWS)              /* the same bits, and at 1-2 rows the widened walk streams faster */
         return elastic_decode_gemm_bf16(x, ldx, w, bias, y, ldy, m, n, k, threads);
     return passes_bf16_dot(x, ldx, w, bias, y, ldy, m, n, k, threads);
 #else

@@ -156,9 +156,9 @@ def _bf16_entry(name):
 
 def test_bf16_on_vdpbf16ps_gives_the_widened_kernels_bits():
     """tile_bf16_dot (vdpbf16ps) and tile_bf16 (widened fp32 FMAs) sum in the same order with the same roundings, so
-    whichever the probe takes, a bf16 model's tokens are the same: bit-equal products at every row-tile size, over a
-    K chunk boundary and past ROW_CHUNK rows, with a bias and a row stride (denormal-free values: vdpbf16ps flushes
-    those)."""
+    whichever the probe takes, a bf16 model's tokens are the same: bit-equal products at every row-tile size the dot
+    entry runs (1-2 rows it hands to the widened walk itself), over a K chunk boundary and past ROW_CHUNK rows, with
+    a bias and a row stride (denormal-free values: vdpbf16ps flushes those)."""
     dot = _bf16_entry(dg._BF16_DOT_ENTRY_POINT)
     widened = _bf16_entry(dg._ENTRY_POINTS[torch.bfloat16])
     torch.manual_seed(5)
