@@ -6,6 +6,7 @@ comes back to [1,1]."""
 import concurrent.futures
 import json
 import os
+import threading
 import time
 
 import httpx
@@ -30,10 +31,13 @@ def drop_checkpoint(tmp_path_factory):
                                      intermediate_size=2048))
 
 
-def _stream(base: str, prompt: str) -> str:
+def _stream(base: str, prompt: str, start: threading.Barrier | None = None) -> str:
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
-    chunks = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=MAX_TOKENS,
-                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    model = client.models.list().data[0].id
+    if start is not None:   # every client is set up: the requests leave together and overlap on any machine
+        start.wait(timeout=120)
+    chunks = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
     return "".join(c.choices[0].text for c in chunks if c.choices)
 
 
@@ -62,8 +66,11 @@ def test_overload_response_acts_on_a_burst_and_restores(drop_checkpoint, tmp_pat
         # Enough concurrent requests that their KV (prompt + 40 tokens each) is twice the attached capacity.
         burst = 2 * state["capacity_tokens"] // (MAX_TOKENS + 8) + 2
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(burst)]
+        # A loaded CI machine sets up the clients one by one over seconds, while each request lasts a few hundred
+        # ms: without the barrier the burst can arrive as a trickle that never overloads anything.
+        start = threading.Barrier(burst)
         with concurrent.futures.ThreadPoolExecutor(burst) as pool:
-            answers = list(pool.map(lambda p: _stream(base, p), prompts))
+            answers = list(pool.map(lambda p: _stream(base, p, start), prompts))
         assert answers == [before[i % len(PROMPTS)] for i in range(burst)]
         state = httpx.get(base + "/admin/drop", headers=ADMIN, timeout=30).json()
         acted = [h for h in state["history"] if h["event"] == event and h["outcome"] == "committed"]
