@@ -97,6 +97,25 @@ def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, 
             return original_gemm(*args)
 
     packed_linear.decode_gemm = labelled_gemm
+    # the lean decode step (layers/lean_decode.py) calls the C entries themselves: label those it is handed
+    from elastic_hf.layers import lean_decode
+    entries = {"gemm_entry": GEMM_LABEL, "decode_entry": ATTENTION_LABEL}
+    originals = {name: getattr(lean_decode, name) for name in entries}
+
+    def labelling(name):
+        def entry(dtype):
+            kernel = originals[name](dtype)
+            if kernel is None:
+                return None
+
+            def call(*args):
+                with record_function(entries[name]):
+                    return kernel(*args)
+            return call
+        return entry
+
+    for name in entries:
+        setattr(lean_decode, name, labelling(name))
     try:
         walls = []
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -107,6 +126,8 @@ def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, 
     finally:
         del backend.forward   # the class's method again
         packed_linear.decode_gemm = original_gemm
+        for name, original in originals.items():
+            setattr(lean_decode, name, original)
     while engine.has_unfinished_requests():
         engine.step()
     ops = top_level_ops(prof.events())

@@ -21,6 +21,7 @@ import sys
 import torch
 from torch import nn
 
+from elastic_hf.layers.lean_decode import lean_decode_enabled, lean_decode_forward
 from elastic_hf.layers.packed_linear import FusedMemberLinear
 from elastic_hf.layers.shardable_linear import ShardableLinear
 
@@ -48,6 +49,12 @@ class FusedDecoderLayer(nn.Module):
                 kwargs["paged_batch"] = paged_batch
             return self.eager_class.forward(self, hidden_states, *args, position_embeddings=position_embeddings,
                                             **kwargs)
+        cos, sin = position_embeddings
+        rotary = getattr(sys.modules[self.modeling_module], self.rotary_name)
+        if lean_decode_enabled() and getattr(rotary, "elastic_native", False):   # a decode-only step's kernels
+            out = lean_decode_forward(self, hidden_states, cos, sin, paged_batch)   # (layers/lean_decode.py)
+            if out is not None:
+                return out
         attn = self.self_attn
         tokens = hidden_states.shape[1]                        # hidden_states: [1, T, hidden]
         h = self.input_layernorm(hidden_states)
@@ -56,8 +63,7 @@ class FusedDecoderLayer(nn.Module):
         q = q.view(1, tokens, -1, head_dim).transpose(1, 2)   # [1, heads, T, hd]
         k = k.view(1, tokens, -1, head_dim).transpose(1, 2)   # [1, kv_heads, T, hd]
         v = v.view(1, tokens, -1, head_dim).transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = getattr(sys.modules[self.modeling_module], self.rotary_name)(q, k, cos, sin)
+        q, k = rotary(q, k, cos, sin)
         out = paged_batch.backend.forward(attn, q, k, v, attn.scaling, paged_batch)   # [1, T, heads, hd]
         hidden_states = hidden_states + attn.o_proj(out.view(1, tokens, -1))
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))

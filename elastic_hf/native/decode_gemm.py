@@ -57,6 +57,12 @@ def _kernel(dtype: torch.dtype):
     return bind("decode_gemm", _ENTRY_POINTS[dtype], _SIGNATURE, _int)
 
 
+def gemm_entry(dtype: torch.dtype):
+    """The bound C entry `decode_gemm` calls for `dtype` (None without one): (x, ldx, weight, bias, y, ldy, m, n, k,
+    threads) -> status. For callers that computed every argument themselves (layers/lean_decode.py)."""
+    return _kernel(dtype)
+
+
 def _bf16_dot_setting() -> str:
     setting = os.environ.get(BF16_DOT_ENV_VAR, "auto").strip().lower()
     if setting not in ("auto", "0", "1"):

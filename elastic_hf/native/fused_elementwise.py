@@ -23,6 +23,12 @@ def _kernels() -> dict | None:
     return None if any(None in pair for pair in kernels.values()) else kernels
 
 
+def elementwise_entries(dtype: torch.dtype):
+    """The bound C entries (rms_norm, silu_mul) `rms_norm` and `silu_and_mul` call, for callers that computed every
+    argument themselves (layers/lean_decode.py)."""
+    return _kernels()[dtype]
+
+
 def native_elementwise_available(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in _SUFFIX and _kernels() is not None
 

@@ -18,6 +18,12 @@ def _kernel():
                 [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _ptr, _i64, _i64, _int], _int)
 
 
+def kv_write_entry():
+    """The bound C entry `write_kv_rows` calls (byte strides), for callers that computed every argument themselves
+    (layers/lean_decode.py)."""
+    return _kernel()
+
+
 def native_kv_write_available(device: torch.device) -> bool:
     return device.type == "cpu" and _kernel() is not None
 

@@ -24,6 +24,12 @@ def _kernel(kv_dtype: torch.dtype):
                  _int], _int)
 
 
+def decode_entry(kv_dtype: torch.dtype):
+    """The bound C entry `paged_decode_attention` calls (None without one), for callers that computed every argument
+    themselves (layers/lean_decode.py)."""
+    return _kernel(kv_dtype)
+
+
 def native_decode_available(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and _kernel(dtype) is not None
 

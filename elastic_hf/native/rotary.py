@@ -20,6 +20,12 @@ def _kernels() -> dict | None:
     return None if None in kernels.values() else kernels
 
 
+def rotary_entry(dtype: torch.dtype):
+    """The bound C entry `apply_rotary` calls (element strides), for callers that computed every argument themselves
+    (layers/lean_decode.py)."""
+    return _kernels()[dtype]
+
+
 def native_rotary_available(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in _SUFFIX and _kernels() is not None
 

@@ -1,0 +1,103 @@
+"""The lean decode step (layers/lean_decode.py): in a decode-only step a switched layer whose parts are all packed
+and native runs as direct kernel calls, and the engine's logits equal those of the fused forward (and so HF's
+forward) bit for bit, fp32 and bf16, with and without biases; steps with a prefill, and a morphing instance's layers
+(linears packed one by one), keep the fused forward; ELASTIC_HF_LEAN_DECODE is checked."""
+import pytest
+import torch
+
+from elastic_hf import ElasticModel
+from elastic_hf.layers import fused_decoder_layer, lean_decode
+from elastic_hf.model.loader import load_hf_model
+from greedy_reference import mixed_prompts
+
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Layers wide enough that fp32 packs every linear (576 x 576 and up), as the default model's."""
+    from tiny_models import build_tiny_checkpoint
+
+    def build(arch: str):
+        return build_tiny_checkpoint(arch, tmp_path_factory.mktemp("lean") / arch, 0, hidden_size=576,
+                                     intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+                                     num_key_value_heads=3)
+    return build
+
+
+def _run(model, prompts, lean: bool, monkeypatch) -> tuple[list[torch.Tensor], list[bool]]:
+    """Every step's logits, and for every lean attempt whether it ran (True) or fell back, with its step kind."""
+    runner = model.instances[0].engine.runner
+    seen, attempts, execute = [], [], runner.execute
+
+    def recording(inputs):
+        logits = execute(inputs)
+        seen.append(logits.clone())
+        return logits
+
+    def counted(layer, hidden_states, cos, sin, batch):
+        out = lean_decode.lean_decode_forward(layer, hidden_states, cos, sin, batch)
+        attempts.append((out is not None, not batch.prefills))
+        return out
+
+    monkeypatch.setattr(fused_decoder_layer, "lean_decode_enabled", lambda: lean)
+    monkeypatch.setattr(fused_decoder_layer, "lean_decode_forward", counted)
+    runner.execute = recording
+    try:
+        model.generate(prompts, max_tokens=MAX_NEW)
+    finally:
+        runner.execute = execute
+    return seen, attempts
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16"),
+                                        ("qwen2", "bfloat16")])
+def test_lean_decode_steps_give_the_fused_forwards_logits_bit_for_bit(wide, arch, dtype, monkeypatch):
+    path = wide(arch)
+    _, tokenizer = load_hf_model(path)
+    prompts = mixed_prompts(tokenizer, 4, 3, 40, seed=3)
+    logits = {}
+    for lean in (False, True):   # a model each: the second run would hit the first's prefix cache
+        with ElasticModel.from_pretrained(path, dtype=dtype, kv_cache_memory=8 << 20,
+                                          max_num_batched_tokens=32) as model:
+            attn = model.worker.loaded.layers[0].self_attn
+            if getattr(attn.q_proj, "fused", None) is None or attn.q_proj.fused.direct is None:
+                pytest.skip(f"this CPU's {dtype} linears are not read by native/decode_gemm.c (no layout it reads)")
+            logits[lean], attempts = _run(model, prompts, lean, monkeypatch)
+    fused, lean = logits[False], logits[True]
+    assert len(fused) == len(lean) > MAX_NEW
+    for a, b in zip(fused, lean):
+        assert torch.equal(a, b)
+    ran = [decode_only for taken, decode_only in attempts if taken]
+    assert len(ran) >= 2 * (MAX_NEW - 2) and all(ran)                  # decode-only steps, every layer
+    assert any(not decode_only for taken, decode_only in attempts if not taken)   # a prefill step kept the fused path
+
+
+def test_a_morphing_instance_keeps_the_fused_forward(wide, monkeypatch):
+    """A morphing instance packs each linear in its arena bytes (no fused q/k/v or gate/up product, so a layer can
+    swap to W8/W4 alone): no layer is lean, before or after a morph, and the logits are the fused forward's."""
+    path = wide("llama")
+    _, tokenizer = load_hf_model(path)
+    prompts = mixed_prompts(tokenizer, 3, 3, 30, seed=4)
+    logits = {}
+    for lean in (False, True):
+        with ElasticModel.from_pretrained(path, kv_cache_memory=8 << 20, max_num_batched_tokens=32, morph="manual",
+                                          morph_options={"precisions": ("w8",)}) as model:
+            model.morph.to_precision([1], "w8")
+            logits[lean], attempts = _run(model, prompts, lean, monkeypatch)
+    assert attempts and not any(taken for taken, _ in attempts)
+    for a, b in zip(logits[False], logits[True]):
+        assert torch.equal(a, b)
+
+
+def test_the_setting_is_checked(monkeypatch):
+    lean_decode.lean_decode_enabled.cache_clear()
+    try:
+        monkeypatch.setenv(lean_decode.LEAN_DECODE_ENV_VAR, "0")
+        assert not lean_decode.lean_decode_enabled()
+        lean_decode.lean_decode_enabled.cache_clear()
+        monkeypatch.setenv(lean_decode.LEAN_DECODE_ENV_VAR, "yes")
+        with pytest.raises(ValueError, match="ELASTIC_HF_LEAN_DECODE='yes'"):
+            lean_decode.lean_decode_enabled()
+    finally:
+        lean_decode.lean_decode_enabled.cache_clear()
