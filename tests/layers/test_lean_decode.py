@@ -50,8 +50,7 @@ def _run(model, prompts, lean: bool, monkeypatch) -> tuple[list[torch.Tensor], l
     return seen, attempts
 
 
-@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16"),
-                                        ("qwen2", "bfloat16")])
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "bfloat16")])   # Qwen2: q/k/v biases
 def test_lean_decode_steps_give_the_fused_forwards_logits_bit_for_bit(wide, arch, dtype, monkeypatch):
     path = wide(arch)
     _, tokenizer = load_hf_model(path)
