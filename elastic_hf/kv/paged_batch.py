@@ -88,6 +88,9 @@ class PagedBatch:
     by_layer: list["PagedBatch"] | None = None
     # Gemma 2's tanh soft-cap of the attention scores (None: none): every layer attends on the exact torch path
     softcap: float | None = None
+    # What a layer path computed for the step's other layers (layers/lean_decode.py: addresses, a workspace); it
+    # lives and dies with the step's batch
+    scratch: object | None = None
 
     def for_layer(self, layer_idx: int) -> "PagedBatch":
         return self if self.by_layer is None else self.by_layer[layer_idx]

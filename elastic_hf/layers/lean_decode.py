@@ -19,7 +19,6 @@ past a sliding window. ELASTIC_HF_LEAN_DECODE=0 turns it off (A/B)."""
 from __future__ import annotations
 
 import os
-import threading
 from functools import cache
 
 import torch
@@ -50,7 +49,7 @@ class _StepContext:
     """What every layer of one decode step shares: the batch's addresses, the thread count, the kernels of the
     dtype and the workspace. Built by the step's first layer (`_context`)."""
 
-    __slots__ = ("batch", "cos", "sin", "tokens", "dtype", "elem", "threads", "gemm", "norm", "silu", "rotary",
+    __slots__ = ("cos", "sin", "tokens", "dtype", "elem", "threads", "gemm", "norm", "silu", "rotary",
                  "kv_write", "attend", "arena_rows", "arena_row_count", "chunks", "write_rows", "chunk_ids", "lens",
                  "layout", "buffers")
 
@@ -62,15 +61,16 @@ class _StepContext:
         return buf
 
 
-_local = threading.local()   # the last step's context, per thread (instances may step on threads of their own)
-
-
 def _context(batch, cos: torch.Tensor, sin: torch.Tensor, tokens: int, dtype: torch.dtype) -> _StepContext | None:
-    ctx = getattr(_local, "ctx", None)
-    if ctx is not None and ctx.batch is batch and ctx.cos is cos and ctx.sin is sin:
+    """The step's context, kept on its batch (PagedBatch.scratch) so that it lives exactly as long as the step; None
+    where the step is not a decode-only one of the native backend (remembered as False for its other layers)."""
+    ctx = batch.scratch
+    if isinstance(ctx, _StepContext) and ctx.cos is cos and ctx.sin is sin:
         return ctx
+    if ctx is False:
+        return None
     ctx = _build_context(batch, cos, sin, tokens, dtype)
-    _local.ctx = ctx if ctx is not None else None
+    batch.scratch = False if ctx is None else ctx
     return ctx
 
 
@@ -91,7 +91,7 @@ def _build_context(batch, cos: torch.Tensor, sin: torch.Tensor, tokens: int, dty
     if gemm is None or attend is None:
         return None
     ctx = _StepContext()
-    ctx.batch, ctx.cos, ctx.sin, ctx.tokens, ctx.dtype = batch, cos, sin, tokens, dtype
+    ctx.cos, ctx.sin, ctx.tokens, ctx.dtype = cos, sin, tokens, dtype
     ctx.elem = torch.empty((), dtype=dtype).element_size()
     ctx.threads = torch.get_num_threads()
     ctx.gemm, ctx.attend = gemm, attend
