@@ -10,12 +10,13 @@ silu * up -> down -> residual add, so the outputs are bit-identical to the fused
 tests/layers/test_lean_decode.py). What the layer leaves between kernels lives in one workspace a step shares across
 its layers (they run one after another); the residual stream is a fresh tensor per layer, as HF's is.
 
-It runs only where every part is the kind it knows: native RMSNorms, q/k/v and gate/up as one packed product each and
-o/down packed, all read by native/decode_gemm.c below their oneDNN row threshold; the native rotary; the C attention
-backend over a KV arena of the activations' dtype; a step whose every row is one decode of a uniformly attending
-model. Anything else returns None and the fused forward runs: a prefill in the step, a morphing instance's layers
-(their linears are packed one by one, so that each can swap precision alone), sharded linears, soft-capping, a decode
-past a sliding window. ELASTIC_HF_LEAN_DECODE=0 turns it off (A/B)."""
+It runs only where every part is the kind it knows: native RMSNorms; q/k/v and gate/up as one packed product each,
+or (a morphing instance packs every linear alone, so that each layer can swap precision) as packed linears written
+side by side into one buffer, with HF's MLP formula (act_fn(gate) * up in torch) where the MLP is HF's; o/down packed;
+all read by native/decode_gemm.c below their oneDNN row threshold; the native rotary; the C attention backend over a
+KV arena of the activations' dtype; a step whose every row is one decode of a uniformly attending model. Anything
+else returns None and the fused forward runs: a prefill in the step, a morphed (quantized) layer, sharded linears,
+soft-capping, a decode past a sliding window. ELASTIC_HF_LEAN_DECODE=0 turns it off (A/B)."""
 from __future__ import annotations
 
 import os
@@ -112,6 +113,46 @@ def _packed(module, dtype: torch.dtype, tokens: int):
     return direct
 
 
+# HF MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)): a morphing instance keeps them
+HF_SWIGLU_MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "MistralMLP")
+
+
+def _projections(attn, dtype: torch.dtype, tokens: int) -> list | None:
+    """q/k/v as [(DirectProduct, bias, first output column)]: one fused product, or three packed linears (a morphing
+    instance packs each alone) written side by side into one [T, q | k | v] buffer; None where one is neither."""
+    q_proj, k_proj, v_proj = attn.q_proj, attn.k_proj, attn.v_proj
+    if type(q_proj) is FusedMemberLinear:
+        qkv = q_proj.fused
+        if qkv.num_members != 3 or k_proj.fused is not qkv or v_proj.fused is not qkv or not qkv.packed:
+            return None
+        parts = [(_packed(qkv, dtype, tokens), qkv.bias, 0)]
+    elif type(q_proj) is PackedLinear and type(k_proj) is PackedLinear and type(v_proj) is PackedLinear:
+        q_size, kv_size = q_proj.out_features, k_proj.out_features
+        parts = [(_packed(m, dtype, tokens), m.bias, start)
+                 for m, start in ((q_proj, 0), (k_proj, q_size), (v_proj, q_size + kv_size))]
+    else:
+        return None
+    return parts if all(direct is not None for direct, _, _ in parts) else None
+
+
+def _mlp_products(mlp, dtype: torch.dtype, tokens: int) -> tuple[list, bool] | None:
+    """gate/up as [(DirectProduct, bias, first output column)] into one [T, gate | up] buffer, and whether silu * up
+    runs in the native kernel (SwiGLUMLP) or as HF's act_fn and product (HF's MLP on packed linears)."""
+    if type(mlp) is SwiGLUMLP:
+        gate_up = mlp.gate_proj.fused
+        if gate_up.num_members != 2 or mlp.up_proj.fused is not gate_up or not gate_up.packed:
+            return None
+        parts, native = [(_packed(gate_up, dtype, tokens), gate_up.bias, 0)], True
+    elif (type(mlp).__name__ in HF_SWIGLU_MLP_CLASSES and type(mlp).__module__.startswith("transformers.models.")
+          and type(mlp.gate_proj) is PackedLinear and type(mlp.up_proj) is PackedLinear):
+        parts = [(_packed(mlp.gate_proj, dtype, tokens), mlp.gate_proj.bias, 0),
+                 (_packed(mlp.up_proj, dtype, tokens), mlp.up_proj.bias, mlp.gate_proj.out_features)]
+        native = False
+    else:
+        return None
+    return (parts, native) if all(direct is not None for direct, _, _ in parts) else None
+
+
 def lean_decode_forward(layer, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         batch) -> torch.Tensor | None:
     """The layer's output for a decode-only step, or None where a part is not of the kinds above (the caller runs the
@@ -120,33 +161,29 @@ def lean_decode_forward(layer, hidden_states: torch.Tensor, cos: torch.Tensor, s
     tokens, hidden = hidden_states.shape[1], hidden_states.shape[2]
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    q_proj, k_proj, v_proj, o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    o_proj, down_proj = attn.o_proj, getattr(mlp, "down_proj", None)
     if (type(norm1) is not NativeRMSNorm or type(norm2) is not NativeRMSNorm or norm1.weight.dtype != dtype
-            or norm2.weight.dtype != dtype or type(q_proj) is not FusedMemberLinear or type(o_proj) is not PackedLinear
-            or type(mlp) is not SwiGLUMLP or type(mlp.down_proj) is not PackedLinear
+            or norm2.weight.dtype != dtype or type(o_proj) is not PackedLinear or type(down_proj) is not PackedLinear
             or not hidden_states.is_contiguous() or hidden_states.device.type != "cpu"):
         return None
-    qkv = q_proj.fused
-    if qkv.num_members != 3 or k_proj.fused is not qkv or v_proj.fused is not qkv or not qkv.packed:
+    qkv_parts, mlp_parts = _projections(attn, dtype, tokens), _mlp_products(mlp, dtype, tokens)
+    o_w, down_w = _packed(o_proj, dtype, tokens), _packed(down_proj, dtype, tokens)
+    if qkv_parts is None or mlp_parts is None or o_w is None or down_w is None:
         return None
-    gate_up = mlp.gate_proj.fused
-    if gate_up.num_members != 2 or mlp.up_proj.fused is not gate_up or not gate_up.packed:
-        return None
-    qkv_w, o_w, gu_w, down_w = (_packed(qkv, dtype, tokens), _packed(o_proj, dtype, tokens),
-                                _packed(gate_up, dtype, tokens), _packed(mlp.down_proj, dtype, tokens))
-    if qkv_w is None or o_w is None or gu_w is None or down_w is None:
-        return None
+    gate_up_parts, native_silu = mlp_parts
     ctx = _context(batch, cos, sin, tokens, dtype)
     if ctx is None:
         return None
     head_dim = attn.head_dim
     if cos.shape[2] != head_dim:   # a partial rotary: not the kernel's formula
         return None
-    q_size, kv_size = q_proj.out_features, k_proj.out_features
+    q_size, kv_size = attn.q_proj.out_features, attn.k_proj.out_features
     heads, kv_heads = q_size // head_dim, kv_size // head_dim
-    qkv_width, inter2, inter = qkv_w.out_features, gu_w.out_features, gu_w.out_features // 2
-    if q_size != o_proj.in_features or mlp.down_proj.in_features != inter or o_w.out_features != hidden \
-            or down_w.out_features != hidden:
+    qkv_width = q_size + 2 * kv_size
+    inter2 = sum(direct.out_features for direct, _, _ in gate_up_parts)
+    inter = inter2 // 2
+    if q_size != o_proj.in_features or down_proj.in_features != inter or o_w.out_features != hidden \
+            or down_w.out_features != hidden or sum(d.out_features for d, _, _ in qkv_parts) != qkv_width:
         return None
     elem, threads, gemm = ctx.elem, ctx.threads, ctx.gemm
     layout = ctx.layout
@@ -158,13 +195,14 @@ def lean_decode_forward(layer, hidden_states: torch.Tensor, cos: torch.Tensor, s
     att = ctx.buffer("attn", q_size)                           # [T, heads, hd]
     o = ctx.buffer("o", hidden)
     gu = ctx.buffer("gate_up", inter2)                         # [T, gate | up]
-    act = ctx.buffer("act", inter)
     down = ctx.buffer("down", hidden)
-    x_ptr, h_ptr, qkv_ptr = hidden_states.data_ptr(), h.data_ptr(), qkv_out.data_ptr()
+    x_ptr, h_ptr, qkv_ptr, gu_ptr = hidden_states.data_ptr(), h.data_ptr(), qkv_out.data_ptr(), gu.data_ptr()
 
     ctx.norm(x_ptr, hidden, norm1.weight.data_ptr(), h_ptr, hidden, tokens, hidden, norm1.variance_epsilon, threads)
-    _check(gemm(h_ptr, hidden, qkv_w.weight_ptr, _ptr(qkv.bias), qkv_ptr, qkv_width, tokens, qkv_width, hidden,
-                threads), tokens, hidden, qkv_width)
+    for direct, bias, column in qkv_parts:   # each output column's sum is the same whichever call computes it
+        n = direct.out_features
+        _check(gemm(h_ptr, hidden, direct.weight_ptr, _ptr(bias), qkv_ptr + column * elem, qkv_width, tokens, n,
+                    hidden, threads), tokens, hidden, n)
     k_ptr, v_ptr = qkv_ptr + q_size * elem, qkv_ptr + (q_size + kv_size) * elem
     ctx.rotary(qkv_ptr, head_dim, qkv_width, heads, k_ptr, head_dim, qkv_width, kv_heads,
                ctx.cos.data_ptr(), ctx.sin.data_ptr(), ctx.cos.stride(1),
@@ -187,10 +225,16 @@ def lean_decode_forward(layer, hidden_states: torch.Tensor, cos: torch.Tensor, s
     out = hidden_states + o.view(1, tokens, hidden)            # [1, T, hidden]: the residual stream, a new tensor
     ctx.norm(out.data_ptr(), hidden, norm2.weight.data_ptr(), h_ptr, hidden, tokens, hidden, norm2.variance_epsilon,
              threads)
-    _check(gemm(h_ptr, hidden, gu_w.weight_ptr, _ptr(gate_up.bias), gu.data_ptr(), inter2, tokens, inter2, hidden,
-                threads), tokens, hidden, inter2)
-    ctx.silu(gu.data_ptr(), inter2, act.data_ptr(), inter, tokens, inter, threads)
-    _check(gemm(act.data_ptr(), inter, down_w.weight_ptr, _ptr(mlp.down_proj.bias), down.data_ptr(), hidden, tokens,
+    for direct, bias, column in gate_up_parts:
+        n = direct.out_features
+        _check(gemm(h_ptr, hidden, direct.weight_ptr, _ptr(bias), gu_ptr + column * elem, inter2, tokens, n, hidden,
+                    threads), tokens, hidden, n)
+    if native_silu:
+        act = ctx.buffer("act", inter)
+        ctx.silu(gu_ptr, inter2, act.data_ptr(), inter, tokens, inter, threads)
+    else:   # HF's own formula, rounding where it rounds: act_fn(gate) * up
+        act = (mlp.act_fn(gu[:, :inter]) * gu[:, inter:]).contiguous()   # [T, inter] (already contiguous: no copy)
+    _check(gemm(act.data_ptr(), inter, down_w.weight_ptr, _ptr(down_proj.bias), down.data_ptr(), hidden, tokens,
                 hidden, inter, threads), tokens, inter, hidden)
     return out.add_(down.view(1, tokens, hidden))
 
