@@ -27,10 +27,10 @@ import torch
 from elastic_hf.layers.native_norm import NativeRMSNorm
 from elastic_hf.layers.packed_linear import FusedMemberLinear, PackedLinear
 from elastic_hf.layers.swiglu_mlp import SwiGLUMLP
-from elastic_hf.native.decode_gemm import gemm_entry
+from elastic_hf.native.decode_gemm import check_gemm_status, gemm_entry
 from elastic_hf.native.fused_elementwise import elementwise_entries, native_elementwise_available
-from elastic_hf.native.kv_write import kv_write_entry, native_kv_write_available
-from elastic_hf.native.paged_decode import decode_entry
+from elastic_hf.native.kv_write import check_kv_write_status, kv_write_entry, native_kv_write_available
+from elastic_hf.native.paged_decode import check_decode_status, decode_entry
 from elastic_hf.native.rotary import native_rotary_available, rotary_entry
 
 LEAN_DECODE_ENV_VAR = "ELASTIC_HF_LEAN_DECODE"
@@ -61,6 +61,12 @@ class _StepContext:
             buf = self.buffers[name] = torch.empty(self.tokens, width, dtype=self.dtype)
         return buf
 
+    def product(self, x_ptr: int, k: int, direct, bias: torch.Tensor | None, y_ptr: int, ldy: int) -> None:
+        """y[:, :n] = x @ W.T (+ bias) for the step's rows: x [T, k] contiguous at x_ptr, y rows ldy apart."""
+        n = direct.out_features
+        check_gemm_status(self.gemm(x_ptr, k, direct.weight_ptr, _ptr(bias), y_ptr, ldy, self.tokens, n, k,
+                                    self.threads), self.tokens, k, n)
+
 
 def _context(batch, cos: torch.Tensor, sin: torch.Tensor, tokens: int, dtype: torch.dtype) -> _StepContext | None:
     """The step's context, kept on its batch (PagedBatch.scratch) so that it lives exactly as long as the step; None
@@ -81,8 +87,8 @@ def _build_context(batch, cos: torch.Tensor, sin: torch.Tensor, tokens: int, dty
     if (type(batch.backend).name != NATIVE_ATTENTION_BACKEND or batch.prefills or d is None or d.first_row != 0
             or d.num_seqs != tokens or batch.by_layer is not None or batch.softcap is not None
             or pool.rows.dtype != dtype or not pool.rows.is_contiguous() or not pool.chunks.is_contiguous()
-            or not native_elementwise_available(dtype, pool.rows.device) or not native_rotary_available(dtype, cos.device)
-            or not native_kv_write_available(pool.rows.device)):
+            or not native_elementwise_available(dtype, pool.rows.device)
+            or not native_rotary_available(dtype, cos.device) or not native_kv_write_available(pool.rows.device)):
         return None
     # cos, sin: [1, T, head_dim] as HF's rotary embedding gives them; the kernel reads them at one token stride
     if (cos.dtype != dtype or sin.dtype != dtype or cos.dim() != 3 or cos.shape[:2] != (1, tokens)
@@ -93,7 +99,7 @@ def _build_context(batch, cos: torch.Tensor, sin: torch.Tensor, tokens: int, dty
         return None
     ctx = _StepContext()
     ctx.cos, ctx.sin, ctx.tokens, ctx.dtype = cos, sin, tokens, dtype
-    ctx.elem = torch.empty((), dtype=dtype).element_size()
+    ctx.elem = dtype.itemsize
     ctx.threads = torch.get_num_threads()
     ctx.gemm, ctx.attend = gemm, attend
     ctx.norm, ctx.silu = elementwise_entries(dtype)
@@ -108,9 +114,7 @@ def _build_context(batch, cos: torch.Tensor, sin: torch.Tensor, tokens: int, dty
 def _packed(module, dtype: torch.dtype, tokens: int):
     """The DirectProduct of a packed linear the native kernel reads at this row count, else None."""
     direct = getattr(module, "direct", None)
-    if direct is None or direct.dtype != dtype or tokens >= direct.onednn_from_rows:
-        return None
-    return direct
+    return direct if direct is not None and direct.runs(dtype, tokens) else None
 
 
 # HF MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)): a morphing instance keeps them
@@ -185,7 +189,7 @@ def lean_decode_forward(layer, hidden_states: torch.Tensor, cos: torch.Tensor, s
     if q_size != o_proj.in_features or down_proj.in_features != inter or o_w.out_features != hidden \
             or down_w.out_features != hidden or sum(d.out_features for d, _, _ in qkv_parts) != qkv_width:
         return None
-    elem, threads, gemm = ctx.elem, ctx.threads, ctx.gemm
+    elem, threads = ctx.elem, ctx.threads
     layout = ctx.layout
     local_layer = attn.layer_idx - layout.first_layer          # a pipeline stage holds only its own layers
     h = ctx.buffer("h", hidden)                                # [T, hidden]
@@ -200,9 +204,7 @@ def lean_decode_forward(layer, hidden_states: torch.Tensor, cos: torch.Tensor, s
 
     ctx.norm(x_ptr, hidden, norm1.weight.data_ptr(), h_ptr, hidden, tokens, hidden, norm1.variance_epsilon, threads)
     for direct, bias, column in qkv_parts:   # each output column's sum is the same whichever call computes it
-        n = direct.out_features
-        _check(gemm(h_ptr, hidden, direct.weight_ptr, _ptr(bias), qkv_ptr + column * elem, qkv_width, tokens, n,
-                    hidden, threads), tokens, hidden, n)
+        ctx.product(h_ptr, hidden, direct, bias, qkv_ptr + column * elem, qkv_width)
     k_ptr, v_ptr = qkv_ptr + q_size * elem, qkv_ptr + (q_size + kv_size) * elem
     ctx.rotary(qkv_ptr, head_dim, qkv_width, heads, k_ptr, head_dim, qkv_width, kv_heads,
                ctx.cos.data_ptr(), ctx.sin.data_ptr(), ctx.cos.stride(1),
@@ -211,40 +213,27 @@ def lean_decode_forward(layer, hidden_states: torch.Tensor, cos: torch.Tensor, s
                           tokens * kv_heads, local_layer * layout.rows_per_layer, layout.block_size, kv_heads,
                           k_rot.data_ptr(), kv_size * elem, head_dim * elem, v_ptr, qkv_width * elem, head_dim * elem,
                           threads)
-    if status != 0:
-        raise ValueError(f"a K/V row id of layer {attn.layer_idx} falls outside the arena's {ctx.arena_row_count} rows")
+    check_kv_write_status(status, ctx.write_rows, local_layer * layout.rows_per_layer, layout.block_size,
+                          ctx.arena_row_count)
     max_blocks = ctx.chunk_ids.numel() // (tokens * kv_heads * 2)
     status = ctx.attend(q_rot.data_ptr(), q_size, head_dim, ctx.chunks.data_ptr(), ctx.chunk_ids.data_ptr(),
                         local_layer * layout.chunks_per_layer, ctx.lens.data_ptr(), att.data_ptr(), q_size, tokens,
                         heads, kv_heads, head_dim, layout.block_size, max_blocks, attn.scaling, threads)
-    if status != 0:
-        raise MemoryError(f"paged decode attention failed with status {status} (head_dim {head_dim}, "
-                          f"{max_blocks} blocks of {layout.block_size})")
-    _check(gemm(att.data_ptr(), q_size, o_w.weight_ptr, _ptr(o_proj.bias), o.data_ptr(), hidden, tokens, hidden,
-                q_size, threads), tokens, q_size, hidden)
+    check_decode_status(status, head_dim, max_blocks, layout.block_size)
+    ctx.product(att.data_ptr(), q_size, o_w, o_proj.bias, o.data_ptr(), hidden)
     out = hidden_states + o.view(1, tokens, hidden)            # [1, T, hidden]: the residual stream, a new tensor
     ctx.norm(out.data_ptr(), hidden, norm2.weight.data_ptr(), h_ptr, hidden, tokens, hidden, norm2.variance_epsilon,
              threads)
     for direct, bias, column in gate_up_parts:
-        n = direct.out_features
-        _check(gemm(h_ptr, hidden, direct.weight_ptr, _ptr(bias), gu_ptr + column * elem, inter2, tokens, n, hidden,
-                    threads), tokens, hidden, n)
+        ctx.product(h_ptr, hidden, direct, bias, gu_ptr + column * elem, inter2)
     if native_silu:
         act = ctx.buffer("act", inter)
         ctx.silu(gu_ptr, inter2, act.data_ptr(), inter, tokens, inter, threads)
     else:   # HF's own formula, rounding where it rounds: act_fn(gate) * up
         act = (mlp.act_fn(gu[:, :inter]) * gu[:, inter:]).contiguous()   # [T, inter] (already contiguous: no copy)
-    _check(gemm(act.data_ptr(), inter, down_w.weight_ptr, _ptr(down_proj.bias), down.data_ptr(), hidden, tokens,
-                hidden, inter, threads), tokens, inter, hidden)
+    ctx.product(act.data_ptr(), inter, down_w, down_proj.bias, down.data_ptr(), hidden)
     return out.add_(down.view(1, tokens, hidden))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def _check(status: int, rows: int, k: int, n: int) -> None:
-    if status == -2:
-        raise MemoryError(f"decode_gemm could not allocate its scratch for a [{rows}, {k}] x [{n}, {k}] product")
-    if status != 0:
-        raise ValueError(f"decode_gemm takes no [{rows}, {k}] x [{n}, {k}] product (status {status})")

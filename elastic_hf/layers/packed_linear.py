@@ -78,7 +78,7 @@ def packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Ten
                    direct: DirectProduct | None) -> torch.Tensor:
     """x @ W.T (+ bias) for a oneDNN-packed W: native/decode_gemm.c where `direct` is its handle on W and x has W's
     dtype, below `direct.onednn_from_rows` rows, else oneDNN's inner product. [..., in] -> [..., out]."""
-    if direct is not None and x.dtype == direct.dtype and x.numel() < direct.onednn_from_rows * x.shape[-1]:
+    if direct is not None and direct.runs(x.dtype, x.numel() // x.shape[-1]):
         return decode_gemm(x, direct.weight_ptr, bias, direct.out_features)
     if direct is not None and direct.in_arena:   # no oneDNN tensor to fall back on
         raise TypeError(f"a linear packed in the weights arena multiplies {direct.dtype} inputs only, got {x.dtype}")
@@ -100,6 +100,10 @@ class DirectProduct:
         self.in_arena = not packed.is_mkldnn
         self.weight_ptr = packed.data_ptr() if self.in_arena else packed_data_ptr(packed)
         self.onednn_from_rows = _onednn_from_rows(dtype) if not self.in_arena else sys.maxsize
+
+    def runs(self, dtype: torch.dtype, rows: int) -> bool:
+        """Whether the native kernel, not oneDNN, multiplies `rows` rows of `dtype` by this weight."""
+        return dtype == self.dtype and rows < self.onednn_from_rows
 
 
 def _onednn_from_rows(dtype: torch.dtype) -> int:

@@ -202,9 +202,14 @@ def decode_gemm(x: torch.Tensor, weight_ptr: int, bias: torch.Tensor | None, out
         return out
     status = _kernel(x.dtype)(rows.data_ptr(), row_stride, weight_ptr, None if bias is None else bias.data_ptr(),
                               out.data_ptr(), out_features, num_rows, out_features, k, torch.get_num_threads())
+    check_gemm_status(status, num_rows, k, out_features)
+    return out
+
+
+def check_gemm_status(status: int, num_rows: int, k: int, out_features: int) -> None:
+    """Raise for a non-zero status of the C entry (`gemm_entry`) on a [num_rows, k] x [out_features, k] product."""
     if status == -2:
         raise MemoryError(f"decode_gemm could not allocate its scratch: {64 * 128 * 4} bytes of partial sums a "
                           f"thread, and for bf16 on fp32 FMAs {min(num_rows, 128) * k * 4} bytes of widened input")
     if status != 0:
         raise ValueError(f"decode_gemm takes no [{num_rows}, {k}] x [{out_features}, {k}] product")
-    return out

@@ -51,6 +51,12 @@ def write_kv_rows(rows: torch.Tensor, write_k_rows: torch.Tensor, layer_offset: 
                        layer_offset, v_offset, num_kv_heads, key.data_ptr(), key.stride(2) * elem,
                        key.stride(1) * elem, value.data_ptr(), value.stride(2) * elem, value.stride(1) * elem,
                        torch.get_num_threads())
+    check_kv_write_status(status, write_k_rows, layer_offset, v_offset, rows.shape[0])
+
+
+def check_kv_write_status(status: int, write_k_rows: torch.Tensor, layer_offset: int, v_offset: int,
+                          num_arena_rows: int) -> None:
+    """Raise for a non-zero status of the C entry (`kv_write_entry`): a row outside the arena."""
     if status != 0:
         raise ValueError(f"a K/V row id plus layer offset {layer_offset} and V offset {v_offset} falls outside the "
-                         f"arena's {rows.shape[0]} rows (largest id {int(write_k_rows.max())})")
+                         f"arena's {num_arena_rows} rows (largest id {int(write_k_rows.max())})")

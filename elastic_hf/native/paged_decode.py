@@ -68,8 +68,13 @@ def paged_decode_attention(q: torch.Tensor, kv_chunks: torch.Tensor, chunk_table
                     layer_chunk_offset, ctx_lens.data_ptr(), out.data_ptr(), out.stride(0),
                     num_seqs, num_heads, num_kv_heads, head_dim, kv_chunks.shape[1], max_blocks, scale,
                     torch.get_num_threads())
+    check_decode_status(status, head_dim, max_blocks, kv_chunks.shape[1])
+
+
+def check_decode_status(status: int, head_dim: int, max_blocks: int, block_size: int) -> None:
+    """Raise for a non-zero status of the C entry (`decode_entry`)."""
     if status == -2:
         raise ValueError(f"the native decode kernel takes head_dim <= 1024, got {head_dim}")
     if status != 0:
         raise MemoryError(f"paged decode attention could not allocate its score buffer "
-                          f"({4 * (max_blocks * kv_chunks.shape[1] + 17)} floats per thread)")
+                          f"({4 * (max_blocks * block_size + 17)} floats per thread)")
