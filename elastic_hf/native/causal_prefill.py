@@ -1,5 +1,7 @@
 """ctypes binding of causal_prefill.c: causal attention of prompt chunks against their whole contexts (a chunk's
-tokens are its context's last ones), all of one step's chunks of a layer in one call."""
+tokens are its context's last ones), all of one step's chunks of a layer in one call. fp32 tensors, or bf16 ones
+where the build has the bf16 path (AVX512-BF16, head_dim 64 or 128: `bf16_prefill_takes`); elsewhere a caller widens
+bf16 to fp32."""
 from __future__ import annotations
 
 import ctypes
@@ -10,13 +12,21 @@ import torch
 from elastic_hf.native.build import bind
 
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)   # bf16 is widened by the caller: the kernel computes in fp32
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)   # bf16 without the bf16 path is widened by the caller
+_ARGTYPES = [_int] + [_ptr] * 7 + [_int, _int, _int, _float, _int]
+KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 @cache
-def _kernel():
-    return bind("causal_prefill", "elastic_causal_prefill_varlen_f32",
-                [_int] + [_ptr] * 7 + [_int, _int, _int, _float, _int], _int)
+def _kernel(dtype: torch.dtype = torch.float32):
+    return bind("causal_prefill", f"elastic_causal_prefill_varlen_{KERNEL_DTYPES[dtype]}", _ARGTYPES, _int)
+
+
+@cache
+def bf16_prefill_takes(head_dim: int) -> bool:
+    """Whether bf16 q/k/v of this head_dim go to the kernel as they are (its vdpbf16ps path) rather than widened."""
+    takes = bind("causal_prefill", "elastic_causal_prefill_bf16_takes", [_int], _int)
+    return takes is not None and bool(takes(head_dim))
 
 
 def native_prefill_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -30,16 +40,20 @@ def _int64s(values: list[int]):
 def causal_prefill_attention_batch(queries: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
                                    outs: list[torch.Tensor], scale: float) -> None:
     """For every sequence s, writes softmax(q k^T * scale, causal) v into outs[s]; query row i of a chunk sits at
-    position ctx - q_len + i. All fp32 (widen bf16 before: once per step, not per sequence).
+    position ctx - q_len + i. All fp32, or all bf16 where `bf16_prefill_takes(head_dim)` (else widen bf16 before:
+    once per step, not per sequence).
 
     queries[s]: [q_len, num_heads, head_dim]   any token / head strides (views of the projection outputs)
     keys/values[s]: [ctx, num_kv_heads, head_dim]  ctx >= q_len; num_heads a multiple of num_kv_heads (HF's repeat_kv
                                                   order)
     outs[s]:    [q_len, num_heads, head_dim]   head_dim contiguous"""
-    kernel = _kernel()
+    dtype = queries[0].dtype
+    kernel = _kernel(dtype) if dtype in KERNEL_DTYPES else None
     if kernel is None:
         raise RuntimeError("the native causal prefill kernel is not available (no C compiler or ELASTIC_HF_NATIVE=0)")
     num_heads, head_dim = queries[0].shape[1], queries[0].shape[2]
+    if dtype == torch.bfloat16 and not bf16_prefill_takes(head_dim):
+        raise ValueError(f"this build's prefill kernel has no bf16 path for head_dim {head_dim}: widen to fp32")
     num_kv_heads = keys[0].shape[1]
     strides: list[int] = []
     for q, k, v, out in zip(queries, keys, values, outs, strict=True):
@@ -47,8 +61,9 @@ def causal_prefill_attention_batch(queries: list[torch.Tensor], keys: list[torch
                 or k.shape[1:] != (num_kv_heads, head_dim) or out.shape != q.shape):
             raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                              f"out {tuple(out.shape)}")
-        if any(t.dtype != torch.float32 for t in (q, k, v, out)):
-            raise ValueError(f"the kernel takes fp32 tensors, got {q.dtype}, {k.dtype}, {v.dtype}, {out.dtype}")
+        if any(t.dtype != dtype for t in (q, k, v, out)):
+            raise ValueError(f"the kernel takes tensors of one dtype (fp32 or bf16), got {q.dtype}, {k.dtype}, "
+                             f"{v.dtype}, {out.dtype}")
         if any(t.stride(2) != 1 for t in (q, k, v, out)):
             raise ValueError(f"head_dim must be contiguous, got strides q {tuple(q.stride())}, k {tuple(k.stride())}, "
                              f"v {tuple(v.stride())}, out {tuple(out.stride())}")
@@ -68,9 +83,9 @@ def causal_prefill_attention_batch(queries: list[torch.Tensor], keys: list[torch
 
 def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                              scale: float) -> None:
-    """One sequence (see causal_prefill_attention_batch); takes fp32 or bf16 (widened here) and writes `out` in
-    q's dtype."""
-    if q.dtype != torch.float32:
+    """One sequence (see causal_prefill_attention_batch); takes fp32 or bf16 (widened here where the kernel has no
+    bf16 path for this head_dim) and writes `out` in q's dtype."""
+    if q.dtype != torch.float32 and not (q.dtype == torch.bfloat16 and bf16_prefill_takes(q.shape[2])):
         out32 = torch.empty(out.shape, dtype=torch.float32)
         causal_prefill_attention_batch([q.float()], [k.float()], [v.float()], [out32], scale)
         out.copy_(out32)

@@ -52,26 +52,71 @@ int elastic_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, 
     return 0;
 }
 
+/* elements [start, dim) of a row from its inverse RMS, rounding in software (f32_to_bf16) */
+static inline void rms_norm_bf16_span(const uint16_t *xi, const uint16_t *weight, uint16_t *oi, int64_t start,
+                                      int64_t dim, float inv)
+{
+#pragma omp simd
+    for (int64_t j = start; j < dim; j++) {
+        const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xi[j]) * inv)); /* .to(input_dtype) */
+        oi[j] = f32_to_bf16(bf16_to_f32(weight[j]) * normed);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_BF16_ROUNDING 1
+
+static inline __m512 widen_bf16x16(__m256i v)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* One row with AVX512-BF16's vcvtneps2bf16 doing both roundings (nearest even, as f32_to_bf16; denormal results
+ * become zero): the emulated rounding made this 3-4x slower. The sum of squares in 16 lanes, squares rounded
+ * before they are added as torch's pow-then-mean does. */
+static void rms_norm_bf16_row(const uint16_t *xi, const uint16_t *weight, uint16_t *oi, int64_t dim, float eps)
+{
+    __m512 squares = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= dim; j += 16) {
+        const __m512 v = widen_bf16x16(_mm256_loadu_si256((const __m256i *)(xi + j)));
+        squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));
+    }
+    float sum = _mm512_reduce_add_ps(squares);
+    for (int64_t t = j; t < dim; t++) {
+        const float v = bf16_to_f32(xi[t]);
+        sum += v * v;
+    }
+    const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (j = 0; j + 16 <= dim; j += 16) {
+        const __m512 v = widen_bf16x16(_mm256_loadu_si256((const __m256i *)(xi + j)));
+        const __m512 normed = widen_bf16x16((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, vinv)));
+        const __m512 w = widen_bf16x16(_mm256_loadu_si256((const __m256i *)(weight + j)));
+        _mm256_storeu_si256((__m256i *)(oi + j), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(w, normed)));
+    }
+    rms_norm_bf16_span(xi, weight, oi, j, dim, inv);
+}
+#else
+static void rms_norm_bf16_row(const uint16_t *xi, const uint16_t *weight, uint16_t *oi, int64_t dim, float eps)
+{
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < dim; j++) {
+        const float v = bf16_to_f32(xi[j]);
+        sum += v * v;
+    }
+    rms_norm_bf16_span(xi, weight, oi, 0, dim, 1.0f / sqrtf(sum / (float)dim + eps));
+}
+#endif
+
 int elastic_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight, uint16_t *out,
                           int64_t out_stride, int64_t rows, int64_t dim, float eps, int num_threads)
 {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t i = 0; i < rows; i++) {
-        const uint16_t *xi = x + i * x_stride;
-        uint16_t *oi = out + i * out_stride;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < dim; j++) {
-            const float v = bf16_to_f32(xi[j]);
-            sum += v * v;
-        }
-        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-#pragma omp simd
-        for (int64_t j = 0; j < dim; j++) {
-            const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xi[j]) * inv)); /* .to(input_dtype) */
-            oi[j] = f32_to_bf16(bf16_to_f32(weight[j]) * normed);
-        }
-    }
+    for (int64_t i = 0; i < rows; i++)
+        rms_norm_bf16_row(x + i * x_stride, weight, out + i * out_stride, dim, eps);
     return 0;
 }
 
@@ -102,15 +147,8 @@ static inline void silu_mul_bf16_span(const uint16_t *restrict gate, const uint1
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-
+#if defined(HAVE_BF16_ROUNDING)
 #define SILU_TILE 64
-
-static inline __m512 widen_bf16x16(__m256i v)
-{
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
 
 /* The same row with AVX512-BF16's vcvtneps2bf16 doing both roundings (nearest even, NaN stays a quiet NaN, as
  * f32_to_bf16) instead of the emulated rounding, which made this loop 2x its fp32 twin. The instruction treats
