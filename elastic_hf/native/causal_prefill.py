@@ -10,6 +10,7 @@ from functools import cache
 import torch
 
 from elastic_hf.native.build import bind
+from elastic_hf.native.decode_gemm import bf16_dot_chosen
 
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)   # bf16 without the bf16 path is widened by the caller
@@ -24,9 +25,13 @@ def _kernel(dtype: torch.dtype = torch.float32):
 
 @cache
 def bf16_prefill_takes(head_dim: int) -> bool:
-    """Whether bf16 q/k/v of this head_dim go to the kernel as they are (its vdpbf16ps path) rather than widened."""
+    """Whether bf16 q/k/v of this head_dim go to the kernel as they are (its vdpbf16ps path) rather than widened:
+    where the build has that path and vdpbf16ps runs at an FMA's rate here (decode_gemm.bf16_dot_chosen, measured
+    once a process; ELASTIC_HF_BF16_DOT=0 turns both off). The path issues 1.5x the fp32 kernel's FMAs in dot
+    instructions (QK^T one, PV two: a probability as hi + lo), so on a CPU where they run at half rate (the Xeon of
+    session 45) the widened fp32 kernel is the faster one."""
     takes = bind("causal_prefill", "elastic_causal_prefill_bf16_takes", [_int], _int)
-    return takes is not None and bool(takes(head_dim))
+    return takes is not None and bool(takes(head_dim)) and bf16_dot_chosen()
 
 
 def native_prefill_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -53,7 +58,8 @@ def causal_prefill_attention_batch(queries: list[torch.Tensor], keys: list[torch
         raise RuntimeError("the native causal prefill kernel is not available (no C compiler or ELASTIC_HF_NATIVE=0)")
     num_heads, head_dim = queries[0].shape[1], queries[0].shape[2]
     if dtype == torch.bfloat16 and not bf16_prefill_takes(head_dim):
-        raise ValueError(f"this build's prefill kernel has no bf16 path for head_dim {head_dim}: widen to fp32")
+        raise ValueError(f"the prefill kernel takes no bf16 at head_dim {head_dim} here (its bf16 path: AVX512-BF16 "
+                         f"builds, head_dim 64 or 128, vdpbf16ps at an FMA's rate): widen to fp32")
     num_kv_heads = keys[0].shape[1]
     strides: list[int] = []
     for q, k, v, out in zip(queries, keys, values, outs, strict=True):

@@ -67,7 +67,7 @@ def test_one_call_for_a_step_of_chunks_gives_each_its_own_result(dtype):
     torch.manual_seed(7)
     num_heads, num_kv_heads, head_dim = 9, 3, 64
     if dtype == torch.bfloat16 and not bf16_prefill_takes(head_dim):
-        pytest.skip("this build's prefill kernel has no bf16 path (no AVX512-BF16): bf16 is widened by the caller")
+        pytest.skip("no bf16 path here (no AVX512-BF16, or vdpbf16ps at half rate): bf16 is widened by the caller")
     lengths = [(1, 1), (16, 16), (37, 37), (5, 70), (33, 200), (1, 50), (120, 120)]   # (q_len, ctx)
     total = sum(q_len for q_len, _ in lengths)
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -96,7 +96,7 @@ def test_dtypes_the_kernel_does_not_take_fail_clearly():
     q = torch.randn(4, 4, 24)
     with pytest.raises(ValueError, match="one dtype"):
         causal_prefill_attention_batch([q], [q.bfloat16()], [q], [torch.empty_like(q)], 0.25)
-    with pytest.raises(ValueError, match="no bf16 path for head_dim 24"):   # 64 and 128 only
+    with pytest.raises(ValueError, match="takes no bf16 at head_dim 24"):   # 64 and 128 only
         causal_prefill_attention_batch([q.bfloat16()], [q.bfloat16()], [q.bfloat16()], [q.bfloat16()], 0.25)
 
 
@@ -104,7 +104,7 @@ def test_bf16_path_is_as_accurate_as_the_widened_fp32_kernel():
     """The vdpbf16ps path's mean error against an fp32 reference is the widened fp32 kernel's (a probability rounded
     to one bf16 before the product with V made it 1.4x, enough to flip a random-weight model's greedy near-ties)."""
     if not bf16_prefill_takes(64):
-        pytest.skip("this build's prefill kernel has no bf16 path (no AVX512-BF16)")
+        pytest.skip("no bf16 path here (no AVX512-BF16, or vdpbf16ps at half rate)")
     torch.manual_seed(3)
     q, k, v = torch.randn(400, 9, 64).bfloat16(), torch.randn(400, 3, 64).bfloat16(), torch.randn(400, 3, 64).bfloat16()
     expected = reference(q, k, v, 0.125)
