@@ -140,6 +140,26 @@ static inline __attribute__((always_inline)) void rows_over_keys(
 #if defined(__AVX512F__) && KEY_BLOCK == 32 && ROWS == 8
 #include <immintrin.h>
 #define HAVE_AVX512_ROWS 1
+/* Rows r0 .. r0 + pv_rows - 1 of a row group's [head_dim] output accumulators into registers, each scaled by its
+ * row's alpha (the online softmax's rescale for a new running max), and back. */
+static inline __attribute__((always_inline)) void load_rescaled(__m512 acc[4][8], const struct row_group *g, int r0,
+                                                                const int pv_rows, const float *alpha,
+                                                                const int head_dim)
+{
+    for (int r = 0; r < pv_rows; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
+        for (int z = 0; z < head_dim / 16; z++)
+            acc[r][z] = _mm512_mul_ps(_mm512_loadu_ps(g->acc + (r0 + r) * head_dim + 16 * z), a);
+    }
+}
+
+static inline __attribute__((always_inline)) void store_accumulators(__m512 acc[4][8], struct row_group *g, int r0,
+                                                                     const int pv_rows, const int head_dim)
+{
+    for (int r = 0; r < pv_rows; r++)
+        for (int z = 0; z < head_dim / 16; z++) _mm512_storeu_ps(g->acc + (r0 + r) * head_dim + 16 * z, acc[r][z]);
+}
+
 /* rows_over_keys with every product in registers (head_dim 64 or 128): a key block's scores are ROWS x 2 zmm
  * accumulators (one K^T load of 2 zmm feeds 16 FMAs); the probabilities then go through V PV_ROWS rows at a time
  * (PV_ROWS x head_dim / 16 accumulators, one V row of head_dim / 16 zmm feeding them all). The compiler keeps the
@@ -185,11 +205,7 @@ static inline __attribute__((always_inline)) void rows_over_keys_avx512(
         const float *vb = v + j0 * v_tok_stride;
         for (int r0 = 0; r0 < ROWS; r0 += pv_rows) {
             __m512 acc[4][8];
-            for (int r = 0; r < pv_rows; r++) {
-                const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
-                for (int z = 0; z < zd; z++)
-                    acc[r][z] = _mm512_mul_ps(_mm512_loadu_ps(g->acc + (r0 + r) * head_dim + 16 * z), a);
-            }
+            load_rescaled(acc, g, r0, pv_rows, alpha, head_dim);
             for (int64_t j = 0; j < num_keys; j++) {
                 __m512 vz[8];
                 for (int z = 0; z < zd; z++) vz[z] = _mm512_loadu_ps(vb + j * v_tok_stride + 16 * z);
@@ -198,8 +214,7 @@ static inline __attribute__((always_inline)) void rows_over_keys_avx512(
                     for (int z = 0; z < zd; z++) acc[r][z] = _mm512_fmadd_ps(p, vz[z], acc[r][z]);
                 }
             }
-            for (int r = 0; r < pv_rows; r++)
-                for (int z = 0; z < zd; z++) _mm512_storeu_ps(g->acc + (r0 + r) * head_dim + 16 * z, acc[r][z]);
+            store_accumulators(acc, g, r0, pv_rows, head_dim);
         }
     }
 }
@@ -277,11 +292,7 @@ static inline __attribute__((always_inline)) void rows_over_keys_bf16(
         const uint16_t *vb = vp + j0 * head_dim;     /* key pairs from j0 (j0 is even) */
         for (int r0 = 0; r0 < ROWS; r0 += pv_rows) {
             __m512 acc[4][8];
-            for (int r = 0; r < pv_rows; r++) {
-                const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
-                for (int z = 0; z < zd; z++)
-                    acc[r][z] = _mm512_mul_ps(_mm512_loadu_ps(g->acc + (r0 + r) * head_dim + 16 * z), a);
-            }
+            load_rescaled(acc, g, r0, pv_rows, alpha, head_dim);
             for (int64_t jp = 0; jp < key_pairs; jp++) {
                 __m512bh vz[8];
                 for (int z = 0; z < zd; z++)
@@ -293,8 +304,7 @@ static inline __attribute__((always_inline)) void rows_over_keys_bf16(
                         acc[r][z] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r][z], lo, vz[z]), hi, vz[z]);
                 }
             }
-            for (int r = 0; r < pv_rows; r++)
-                for (int z = 0; z < zd; z++) _mm512_storeu_ps(g->acc + (r0 + r) * head_dim + 16 * z, acc[r][z]);
+            store_accumulators(acc, g, r0, pv_rows, head_dim);
         }
     }
     for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(g->row_sums + 16 * r, sums[r]);
