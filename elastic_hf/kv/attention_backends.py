@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 from elastic_hf.kv.page_pool import KVPagePool
 from elastic_hf.kv.paged_batch import NO_BATCHED_DECODES, PagedBatch, PrefillSlice, build_paged_batch, is_batched_decode
-from elastic_hf.native.causal_prefill import (bf16_prefill_takes, causal_prefill_attention_batch,
-                                              native_prefill_available)
+from elastic_hf.native.causal_prefill import causal_prefill_attention_batch, native_prefill_available, widens
 from elastic_hf.native.kv_write import native_kv_write_available, write_kv_rows
 from elastic_hf.native.paged_decode import native_decode_available, paged_decode_attention
 from elastic_hf.native.triton_paged import (paged_decode_attention_triton, paged_kv_write,
@@ -208,8 +207,7 @@ def _native_prefills(prefills: list[PrefillSlice], query: torch.Tensor, key: tor
     """The step's prefill chunks through the C kernel in one call. bf16 goes in as it is where the kernel has its
     bf16 path for this head_dim, else widens once for all of them; a chunk that continues a cached context reads
     its K/V gathered from the pages."""
-    widen = query.dtype != torch.float32 and not (query.dtype == torch.bfloat16
-                                                  and bf16_prefill_takes(query.shape[3]))
+    widen = widens(query.dtype, query.shape[3])
     first = min(p.q_start for p in prefills)
     end = max(p.q_start + p.q_len for p in prefills)
     # [end - first, heads, hd] token-major views of HF's [1, heads, T, hd] projections, over the prefills' rows

@@ -34,6 +34,11 @@ def bf16_prefill_takes(head_dim: int) -> bool:
     return takes is not None and bool(takes(head_dim)) and bf16_dot_chosen()
 
 
+def widens(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether q/k/v of this dtype must be widened to fp32 for the kernel (bf16 without its bf16 path here)."""
+    return dtype != torch.float32 and not (dtype == torch.bfloat16 and bf16_prefill_takes(head_dim))
+
+
 def native_prefill_available(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in SUPPORTED_DTYPES and _kernel() is not None
 
@@ -91,7 +96,7 @@ def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              scale: float) -> None:
     """One sequence (see causal_prefill_attention_batch); takes fp32 or bf16 (widened here where the kernel has no
     bf16 path for this head_dim) and writes `out` in q's dtype."""
-    if q.dtype != torch.float32 and not (q.dtype == torch.bfloat16 and bf16_prefill_takes(q.shape[2])):
+    if widens(q.dtype, q.shape[2]):
         out32 = torch.empty(out.shape, dtype=torch.float32)
         causal_prefill_attention_batch([q.float()], [k.float()], [v.float()], [out32], scale)
         out.copy_(out32)
