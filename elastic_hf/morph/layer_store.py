@@ -38,12 +38,12 @@ class LayerStore:
         self.num_layers = num_layers
         self.pin = pin
         self.precisions = ("fp",) + tuple(p for p in PRECISIONS if p in variants)
-        self._modules: dict[str, list[nn.Module]] = {"fp": list(layers)}
+        self._by_precision: dict[str, list[nn.Module]] = {"fp": list(layers)}
         self._images: dict[str, list[LayerImage | None]] = {"fp": [None] * num_layers}
         for precision, modules in variants.items():
             for module, original in zip(modules, layers):
                 _share_config(module, original)
-            self._modules[precision] = list(modules)
+            self._by_precision[precision] = list(modules)
             self._images[precision] = [build_image(m, pin) for m in modules]
         self._bound = False
 
@@ -79,15 +79,15 @@ class LayerStore:
                 if slot.payload_bytes != image.nbytes:
                     raise ValueError(f"layer {i} {precision} slot holds {slot.payload_bytes} bytes, image has "
                                      f"{image.nbytes}")
-                bind_to_arena(self._modules[precision][i], image.specs, arena, slot.offset)
+                bind_to_arena(self._by_precision[precision][i], image.specs, arena, slot.offset)
         self._bound = True
 
     def module(self, layer: int, precision: str) -> nn.Module:
-        return self._modules[precision][layer]
+        return self._by_precision[precision][layer]
 
     def modules_of(self, precision: str) -> list[nn.Module]:
         """Every layer's module at `precision`, in layer order."""
-        return list(self._modules[precision])
+        return list(self._by_precision[precision])
 
     def image(self, layer: int, precision: str) -> LayerImage:
         image = self._images[precision][layer]

@@ -1,7 +1,8 @@
 """The lean decode step (layers/lean_decode.py): in a decode-only step a switched layer whose parts are all packed
-and native runs as direct kernel calls, and the engine's logits equal those of the fused forward (and so HF's
+and native runs as one C call of its kernels (native/lean_layer.c), and the engine's logits equal those of the fused forward (and so HF's
 forward) bit for bit, fp32 and bf16, with and without biases, fused products or (a morphing instance) linears packed
-one by one; steps with a prefill and morphed layers keep the fused forward; ELASTIC_HF_LEAN_DECODE is checked."""
+one by one; steps with a prefill and morphed layers keep the fused forward; a layer's plan follows a morph and back;
+ELASTIC_HF_LEAN_DECODE is checked."""
 import pytest
 import torch
 
@@ -95,6 +96,31 @@ def test_a_morphing_instances_full_precision_layers_are_lean_and_its_morphed_one
     assert taken[False, True] and all(taken[False, True])              # both fp layers, every decode step
     assert taken[True, True].count(True) == taken[True, True].count(False) > 0   # layer 0 lean, the W8 layer 1 not
     assert any(not torch.equal(a, b) for a, b in zip(logits[False, True], logits[True, True]))   # W8 changed them
+
+
+def test_a_layers_plan_follows_it_across_a_morph_and_back(wide, monkeypatch):
+    """A layer's plan (its weights' addresses, kept across steps) is rebuilt when its parts change: after a morph to
+    W8 that layer falls back, after the morph back it runs lean again on its restored weights, and the logits equal
+    those of the run before the morph bit for bit (prefix caching off, so the three runs take the same steps)."""
+    path = wide("llama")
+    _, tokenizer = load_hf_model(path)
+    prompts = mixed_prompts(tokenizer, 3, 3, 30, seed=5)
+    with ElasticModel.from_pretrained(path, kv_cache_memory=8 << 20, max_num_batched_tokens=32, morph="manual",
+                                      morph_options={"precisions": ("w8",)}, enable_prefix_caching=False) as model:
+        if getattr(model.worker.loaded.layers[0].self_attn.q_proj, "direct", None) is None:
+            pytest.skip("this CPU's fp32 linears are not read by native/decode_gemm.c")
+        before, attempts = _run(model, prompts, True, monkeypatch)
+        assert all(t for t, decode_only in attempts if decode_only)
+        model.morph.to_precision([1], "w8")
+        morphed, attempts = _run(model, prompts, True, monkeypatch)
+        taken = [t for t, decode_only in attempts if decode_only]
+        assert taken.count(True) == taken.count(False) > 0               # layer 0 lean, the W8 layer 1 not
+        model.morph.to_precision([1], "fp")
+        after, attempts = _run(model, prompts, True, monkeypatch)
+        assert all(t for t, decode_only in attempts if decode_only)
+    assert len(before) == len(after)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert any(not torch.equal(a, b) for a, b in zip(before, morphed))
 
 
 def test_the_setting_is_checked(monkeypatch):
