@@ -97,25 +97,11 @@ def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, 
             return original_gemm(*args)
 
     packed_linear.decode_gemm = labelled_gemm
-    # the lean decode step (layers/lean_decode.py) calls the C entries themselves: label those it is handed
+    # the lean decode step (layers/lean_decode.py) runs a layer's kernels inside one C call (native/lean_layer.c),
+    # where no torch op marks them: it times them itself, by kind, while asked
     from elastic_hf.layers import lean_decode
-    entries = {"gemm_entry": GEMM_LABEL, "decode_entry": ATTENTION_LABEL}
-    originals = {name: getattr(lean_decode, name) for name in entries}
-
-    def labelling(name):
-        def entry(dtype):
-            kernel = originals[name](dtype)
-            if kernel is None:
-                return None
-
-            def call(*args):
-                with record_function(entries[name]):
-                    return kernel(*args)
-            return call
-        return entry
-
-    for name in entries:
-        setattr(lean_decode, name, labelling(name))
+    from elastic_hf.native import lean_layer
+    kernel_seconds = lean_decode.time_kernels(True)
     try:
         walls = []
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -126,8 +112,7 @@ def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, 
     finally:
         del backend.forward   # the class's method again
         packed_linear.decode_gemm = original_gemm
-        for name, original in originals.items():
-            setattr(lean_decode, name, original)
+        lean_decode.time_kernels(False)
     while engine.has_unfinished_requests():
         engine.step()
     ops = top_level_ops(prof.events())
@@ -135,9 +120,17 @@ def profile_batch(model, prompts: list[list[int]], num_steps: int) -> dict[str, 
     shares = defaultdict(float)
     for name, us in ops.items():
         shares["attention" if name == ATTENTION_LABEL else classify(name)] += us
+    for op, seconds in enumerate(kernel_seconds):   # inside the C layer calls
+        if op:
+            kind = {lean_layer.OP_GEMM: "gemm", lean_layer.OP_ATTEND: "attention",
+                    lean_layer.OP_KV_WRITE: "attention"}.get(op, "other ops")
+            shares[kind] += seconds * 1e6
+            ops[f"lean layer: {lean_layer.OP_NAMES[op]}"] = seconds * 1e6
     shares["python (no tensor op)"] = max(0.0, wall_us - sum(shares.values()))
-    top_other = sorted(((us, n) for n, us in ops.items() if classify(n) == "other ops" and n != ATTENTION_LABEL),
-                       reverse=True)[:6]
+    in_layer_not_other = {f"lean layer: {lean_layer.OP_NAMES[op]}"
+                          for op in (lean_layer.OP_GEMM, lean_layer.OP_ATTEND, lean_layer.OP_KV_WRITE)}
+    top_other = sorted(((us, n) for n, us in ops.items() if classify(n) == "other ops" and n != ATTENTION_LABEL
+                        and n not in in_layer_not_other), reverse=True)[:6]
     return {"step_ms": unprofiled_ms, "profiled_step_ms": wall_us / num_steps / 1e3, "shares": {k: v / wall_us for k, v in shares.items()},
             "top_other": [(n, us / num_steps / 1e3) for us, n in top_other]}
 

@@ -38,7 +38,7 @@ from elastic_hf.native.decode_gemm import check_gemm_status, gemm_entry
 from elastic_hf.native.fused_elementwise import elementwise_entries, native_elementwise_available
 from elastic_hf.native.kv_write import check_kv_write_status, kv_write_entry, native_kv_write_available
 from elastic_hf.native.lean_layer import (OP_ATTEND, OP_GEMM, OP_KV_WRITE, OP_NAMES, WORKSPACE, LeanLayer, LeanStep,
-                                          entry_address, lean_layer_entries)
+                                          OpSeconds, entry_address, lean_layer_entries)
 from elastic_hf.native.paged_decode import check_decode_status, decode_entry
 from elastic_hf.native.rotary import native_rotary_available, rotary_entry
 
@@ -53,6 +53,19 @@ def lean_decode_enabled() -> bool:
     if setting not in ("0", "1"):
         raise ValueError(f"{LEAN_DECODE_ENV_VAR}={setting!r} is not 0 or 1")
     return setting == "1"
+
+
+# Seconds the C layer spends in each kernel kind, while a profiler asks for them (time_kernels); None: not timed
+_kernel_seconds: OpSeconds | None = None
+
+
+def time_kernels(on: bool) -> OpSeconds | None:
+    """From the next step on, add the seconds of every kernel the C layer calls to a fresh array indexed by
+    native/lean_layer.py's OP_* (returned), or stop (None). A profiler's view inside the one foreign call, where no
+    torch op marks a kernel (benchmarks/step_profile.py)."""
+    global _kernel_seconds
+    _kernel_seconds = OpSeconds() if on else None
+    return _kernel_seconds
 
 
 # ------------------------------------------------------------------------------------------------ the layer's plan
@@ -195,7 +208,7 @@ class _StepContext:
     address, and what that points into. Built by the step's first layer (`_context`)."""
 
     __slots__ = ("cos", "sin", "tokens", "dtype", "head_dim", "first_layer", "step", "address", "buffers", "widths",
-                 "failed", "failed_address", "batch")
+                 "failed", "failed_address", "batch", "timer")
 
     def fit(self, widths: tuple) -> None:
         """Workspace buffers of at least `widths` elements a row (a layer wider than those before it grows them)."""
@@ -251,6 +264,7 @@ def _build_context(batch, cos: torch.Tensor, sin: torch.Tensor, tokens: int, dty
     s.chunk_id_count = d.chunk_ids.numel()   # [tokens, kv_heads, 2, max_blocks]: C divides by the layer's kv_heads
     s.block_size, s.rows_per_layer, s.chunks_per_layer = layout.block_size, layout.rows_per_layer, \
         layout.chunks_per_layer
+    s.op_seconds = None if _kernel_seconds is None else ctypes.addressof(_kernel_seconds)
     ctx = _StepContext()
     ctx.cos, ctx.sin, ctx.tokens, ctx.dtype, ctx.head_dim = cos, sin, tokens, dtype, cos.shape[2]
     ctx.first_layer = layout.first_layer
@@ -259,6 +273,7 @@ def _build_context(batch, cos: torch.Tensor, sin: torch.Tensor, tokens: int, dty
     ctx.failed = ctypes.c_int(0)
     ctx.failed_address = ctypes.addressof(ctx.failed)
     ctx.batch = batch   # (the chunk table, lengths and write rows the addresses point into live on the batch)
+    ctx.timer = _kernel_seconds   # alive while the step adds to it, even if the profiler stops mid-step
     return ctx
 
 

@@ -16,6 +16,7 @@
  *
  * Returns 0, or the first failing kernel's status with *failed_op its LEAN_OP_* (nothing after it ran). */
 #include <stdint.h>
+#include <time.h>
 
 #include "bf16.h"
 
@@ -42,7 +43,7 @@ typedef int (*attend_fn)(const void *q, int64_t q_seq_stride, int64_t q_head_str
 
 /* which kernel failed (layers/lean_decode.py maps each to its error) */
 enum { LEAN_OP_NORM = 1, LEAN_OP_GEMM = 2, LEAN_OP_ROTARY = 3, LEAN_OP_KV_WRITE = 4, LEAN_OP_ATTEND = 5,
-       LEAN_OP_SILU = 6 };
+       LEAN_OP_SILU = 6, LEAN_OP_RESIDUAL = 7 };
 
 /* The step's addresses and kernels: what every layer of the step shares. Workspace rows are `tokens` long, each
  * buffer [tokens, width] contiguous in the step's dtype. */
@@ -67,6 +68,8 @@ typedef struct {
     const int64_t *lens;          /* [tokens] context lengths */
     int64_t block_size, rows_per_layer, chunks_per_layer;
     void *h, *qkv, *q, *k, *att, *o, *gate_up, *act, *down;   /* workspace */
+    double *op_seconds;           /* NULL, or [8]: seconds spent in each LEAN_OP_* kind, added to (a profiler's view:
+                                   * benchmarks/step_profile.py; none of these kernels is a torch op it could see) */
 } LeanStep;
 
 typedef struct {
@@ -84,10 +87,23 @@ typedef struct {
     LeanProduct qkv[3], o, gate_up[2], down;
 } LeanLayer;
 
-#define CHECK(op, call) do { const int status_ = (call); if (status_) { *failed_op = (op); return status_; } } while (0)
+static double seconds_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
-/* out = a + b over n elements, each sum rounded to the dtype as torch's add rounds it */
-static void residual_add(void *out, const void *a, const void *b, int64_t n, int64_t elem)
+/* run one kernel call (timed where the step asks for it); a non-zero status stops the layer */
+#define CHECK(op, call) do { \
+        const double start_ = s->op_seconds ? seconds_now() : 0.0; \
+        const int status_ = (call); \
+        if (s->op_seconds) s->op_seconds[op] += seconds_now() - start_; \
+        if (status_) { *failed_op = (op); return status_; } \
+    } while (0)
+
+/* out = a + b over n elements, each sum rounded to the dtype as torch's add rounds it; returns 0 */
+static int residual_add(void *out, const void *a, const void *b, int64_t n, int64_t elem)
 {
     if (elem == 4) {
         float *y = out;
@@ -98,6 +114,7 @@ static void residual_add(void *out, const void *a, const void *b, int64_t n, int
         const uint16_t *x = a, *z = b;
         for (int64_t i = 0; i < n; i++) y[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(z[i]));
     }
+    return 0;
 }
 
 static int products(const LeanStep *s, const LeanProduct *p, int64_t count, const void *x, int64_t k, char *y,
@@ -133,13 +150,13 @@ int elastic_lean_layer(const LeanStep *s, const LeanLayer *l, int64_t local_laye
                                     s->lens, s->att, l->q_size, (int)t, (int)heads, (int)kv_heads, (int)hd,
                                     (int)s->block_size, (int)max_blocks, l->scaling, threads));
     CHECK(LEAN_OP_GEMM, products(s, &l->o, 1, s->att, l->q_size, s->o, hidden));
-    residual_add(out, x, s->o, t * hidden, e);
+    CHECK(LEAN_OP_RESIDUAL, residual_add(out, x, s->o, t * hidden, e));
     CHECK(LEAN_OP_NORM, s->norm(out, hidden, l->norm2, s->h, hidden, t, hidden, l->eps2, threads));
     CHECK(LEAN_OP_GEMM, products(s, l->gate_up, l->n_gate_up, s->h, hidden, s->gate_up, 2 * l->inter));
     if (!native_silu) return 0;
     CHECK(LEAN_OP_SILU, s->silu(s->gate_up, 2 * l->inter, s->act, l->inter, t, l->inter, threads));
     CHECK(LEAN_OP_GEMM, products(s, &l->down, 1, s->act, l->inter, s->down, hidden));
-    residual_add(out, out, s->down, t * hidden, e);
+    CHECK(LEAN_OP_RESIDUAL, residual_add(out, out, s->down, t * hidden, e));
     return 0;
 }
 
@@ -147,6 +164,6 @@ int elastic_lean_layer(const LeanStep *s, const LeanLayer *l, int64_t local_laye
 int elastic_lean_mlp_down(const LeanStep *s, const LeanLayer *l, const void *act, void *out, int *failed_op)
 {
     CHECK(LEAN_OP_GEMM, products(s, &l->down, 1, act, l->inter, s->down, l->hidden));
-    residual_add(out, out, s->down, s->tokens * l->hidden, s->elem);
+    CHECK(LEAN_OP_RESIDUAL, residual_add(out, out, s->down, s->tokens * l->hidden, s->elem));
     return 0;
 }

@@ -10,9 +10,11 @@ from elastic_hf.native.build import bind
 _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 # lean_layer.c's LEAN_OP_*: which kernel a failing call stopped at
-OP_NORM, OP_GEMM, OP_ROTARY, OP_KV_WRITE, OP_ATTEND, OP_SILU = 1, 2, 3, 4, 5, 6
+OP_NORM, OP_GEMM, OP_ROTARY, OP_KV_WRITE, OP_ATTEND, OP_SILU, OP_RESIDUAL = 1, 2, 3, 4, 5, 6, 7
 OP_NAMES = {OP_NORM: "RMSNorm", OP_GEMM: "decode GEMM", OP_ROTARY: "rotary", OP_KV_WRITE: "K/V write",
-            OP_ATTEND: "paged decode attention", OP_SILU: "silu * up"}
+            OP_ATTEND: "paged decode attention", OP_SILU: "silu * up", OP_RESIDUAL: "residual add"}
+# LeanStep.op_seconds: seconds per op kind, indexed by OP_* (0 unused)
+OpSeconds = ctypes.c_double * 8
 
 
 class LeanStep(ctypes.Structure):
@@ -22,7 +24,7 @@ class LeanStep(ctypes.Structure):
                 ("chunks", _ptr), ("chunk_ids", _ptr), ("chunk_id_count", _i64), ("lens", _ptr), ("block_size", _i64),
                 ("rows_per_layer", _i64), ("chunks_per_layer", _i64),
                 ("h", _ptr), ("qkv", _ptr), ("q", _ptr), ("k", _ptr), ("att", _ptr), ("o", _ptr), ("gate_up", _ptr),
-                ("act", _ptr), ("down", _ptr)]
+                ("act", _ptr), ("down", _ptr), ("op_seconds", _ptr)]
 
 
 # LeanStep's workspace buffers, in the order of a plan's widths (layers/lean_decode.py)

@@ -123,6 +123,32 @@ def test_a_layers_plan_follows_it_across_a_morph_and_back(wide, monkeypatch):
     assert any(not torch.equal(a, b) for a, b in zip(before, morphed))
 
 
+def test_kernel_times_are_kept_only_while_asked(wide, monkeypatch):
+    """time_kernels (benchmarks/step_profile.py's view inside the C layer call) adds each kernel kind's seconds while
+    on, and the steps after it is off add nothing."""
+    from elastic_hf.native import lean_layer
+
+    path = wide("llama")
+    _, tokenizer = load_hf_model(path)
+    prompts = mixed_prompts(tokenizer, 2, 3, 20, seed=6)
+    with ElasticModel.from_pretrained(path, kv_cache_memory=8 << 20, max_num_batched_tokens=32) as model:
+        if getattr(model.worker.loaded.layers[0].self_attn.q_proj, "fused", None) is None:
+            pytest.skip("this CPU's fp32 linears are not read by native/decode_gemm.c")
+        seconds = lean_decode.time_kernels(True)
+        try:
+            _, attempts = _run(model, prompts, True, monkeypatch)
+        finally:
+            assert lean_decode.time_kernels(False) is None
+        assert any(taken for taken, _ in attempts)
+        for op in (lean_layer.OP_NORM, lean_layer.OP_GEMM, lean_layer.OP_ROTARY, lean_layer.OP_KV_WRITE,
+                   lean_layer.OP_ATTEND, lean_layer.OP_SILU, lean_layer.OP_RESIDUAL):
+            assert seconds[op] > 0, lean_layer.OP_NAMES[op]
+        assert seconds[lean_layer.OP_GEMM] > seconds[lean_layer.OP_RESIDUAL]
+        kept = list(seconds)
+        _run(model, prompts, True, monkeypatch)
+        assert list(seconds) == kept
+
+
 def test_the_setting_is_checked(monkeypatch):
     lean_decode.lean_decode_enabled.cache_clear()
     try:
