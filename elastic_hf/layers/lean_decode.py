@@ -77,7 +77,9 @@ class _LayerPlan:
 
 
 # layer -> its plan (weakly: a retired instance's layers go with it; a plan holds raw addresses, so it is never
-# copied with a layer)
+# copied with a layer). Through its key a plan holds the modules and packed products it read until the layer's next
+# decode step finds them changed: what a layer drops between two steps lives one step longer (the memory reshapes,
+# drops and morphs give back is arena pages, which no reference keeps).
 _plans: weakref.WeakKeyDictionary[nn.Module, _LayerPlan] = weakref.WeakKeyDictionary()
 
 
