@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import weakref
 from functools import cache
 
@@ -250,7 +249,7 @@ def _build_context(batch, cos: torch.Tensor, sin: torch.Tensor, tokens: int, dty
             or cos.stride() != sin.stride() or cos.stride(2) != 1):
         return None
     gemm, attend = gemm_entry(dtype), decode_entry(dtype)
-    if gemm is None or attend is None or lean_layer_entries() is None:
+    if gemm is None or attend is None:   # (the C layer itself: the plan had it)
         return None
     norm, silu = elementwise_entries(dtype)
     layout = pool.layout
