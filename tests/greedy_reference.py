@@ -35,6 +35,25 @@ def mixed_prompts(tokenizer, num_prompts: int, min_len: int, max_len: int, seed:
     return prompts
 
 
+def step_logits(model, prompts, max_tokens: int) -> list[torch.Tensor]:
+    """The logits of every step of a greedy batch on an in-process ElasticModel (chunked prefills and decodes
+    mixed), as its runner returns them."""
+    runner = model.instances[0].engine.runner
+    seen, execute = [], runner.execute
+
+    def recording(inputs):
+        logits = execute(inputs)
+        seen.append(logits.clone())
+        return logits
+
+    runner.execute = recording
+    try:
+        model.generate(prompts, max_tokens=max_tokens)
+    finally:
+        runner.execute = execute
+    return seen
+
+
 # The tolerance policy for bf16 near-ties (tests/model/test_bf16.py states it).
 TIE_MARGIN = 0.25   # logit units: 4 bf16 ulps at |logit| in [8, 16), where the default model's top logits lie
 

@@ -91,6 +91,10 @@ class PagedBatch:
     # What a layer path computed for the step's other layers (layers/lean_decode.py: addresses, a workspace); it
     # lives and dies with the step's batch
     scratch: object | None = None
+    # The decoder's ModuleList of layers, where its forward calls each of them once in that order this step
+    # (model/runner.py): a layer path may then compute a run of them in one call (layers/lean_decode.py). None:
+    # each layer on its own
+    layer_order: object | None = None
 
     def for_layer(self, layer_idx: int) -> "PagedBatch":
         return self if self.by_layer is None else self.by_layer[layer_idx]

@@ -10,8 +10,13 @@ of the same step); one C call takes ~15 us with its plan check. The kernels are 
 order: RMSNorm -> the fused q/k/v product -> rotary -> the K/V write -> paged decode attention -> o -> residual add
 -> RMSNorm -> the fused gate/up product -> silu * up -> down -> residual add, so the outputs are bit-identical to the
 fused forward's (and so HF's: tests/layers/test_lean_decode.py). What the layer leaves between kernels lives in one
-workspace a step shares across its layers (they run one after another); the residual stream is a fresh tensor per
-layer, as HF's is.
+workspace a step shares across its layers (they run one after another).
+
+Runs of layers: where the batch knows the decoder's layer order (PagedBatch.layer_order), a layer of native silu
+computes itself and the lean layers of native silu right after it in one call (`elastic_lean_layers`): between two
+layer calls Python still spent ~50-80 us a layer in a real step, with the interpreter's code and data cold after
+each layer's weight stream. HF's loop then calls the others and they pass the run's output through
+(`_pass_through`, which checks the order); model/flat_forward.py does not call them (`take_lean_run`).
 
 It runs only where every part is the kind it knows: native RMSNorms; q/k/v and gate/up as one packed product each,
 or (a morphing instance packs every linear alone, so that each layer can swap precision) as packed linears written
@@ -24,20 +29,18 @@ from __future__ import annotations
 
 import ctypes
 import os
-import weakref
 from functools import cache
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
-from elastic_hf.layers.native_norm import NativeRMSNorm
-from elastic_hf.layers.packed_linear import FusedMemberLinear, PackedLinear
-from elastic_hf.layers.swiglu_mlp import SwiGLUMLP
+from elastic_hf.layers.lean_plan import LayerPlan, layer_plan
 from elastic_hf.native.decode_gemm import check_gemm_status, gemm_entry
 from elastic_hf.native.fused_elementwise import elementwise_entries, native_elementwise_available
 from elastic_hf.native.kv_write import check_kv_write_status, kv_write_entry, native_kv_write_available
-from elastic_hf.native.lean_layer import (OP_ATTEND, OP_GEMM, OP_KV_WRITE, OP_NAMES, WORKSPACE, LeanLayer, LeanStep,
-                                          OpSeconds, entry_address, lean_layer_entries)
+from elastic_hf.native.lean_layer import (OP_ATTEND, OP_GEMM, OP_KV_WRITE, OP_NAMES, WORKSPACE, LeanStep, OpSeconds,
+                                          entry_address, lean_layer_entries)
 from elastic_hf.native.paged_decode import check_decode_status, decode_entry
 from elastic_hf.native.rotary import native_rotary_available, rotary_entry
 
@@ -67,149 +70,14 @@ def time_kernels(on: bool) -> OpSeconds | None:
     return _kernel_seconds
 
 
-# ------------------------------------------------------------------------------------------------ the layer's plan
-class _LayerPlan:
-    """A layer's LeanLayer, valid while `key` (the identities of its parts and the addresses read) is the layer's."""
-
-    __slots__ = ("key", "struct", "address", "native_silu", "max_tokens", "head_dim", "inter", "widths", "act_fn",
-                 "keep")
-
-
-# layer -> its plan (weakly: a retired instance's layers go with it; a plan holds raw addresses, so it is never
-# copied with a layer). Through its key a plan holds the modules and packed products it read until the layer's next
-# decode step finds them changed: what a layer drops between two steps lives one step longer (the memory reshapes,
-# drops and morphs give back is arena pages, which no reference keeps).
-_plans: weakref.WeakKeyDictionary[nn.Module, _LayerPlan] = weakref.WeakKeyDictionary()
-
-
-def _plan_key(layer, dtype: torch.dtype) -> tuple:
-    """What the plan was built from: the modules, the packed products they read (a repack makes a new one) and the
-    norms' addresses. Read from the modules' own dicts: nn.Module's attribute fallback costs ~0.6 us a name, 13 us a
-    layer here, against ~4 us so (the ~60 us of checks and conversions the plan saves are the point)."""
-    modules = layer._modules
-    attn, mlp = modules["self_attn"]._modules, modules["mlp"]
-    mlp_modules = mlp._modules
-    parts = (attn.get("q_proj"), attn.get("k_proj"), attn.get("v_proj"), attn.get("o_proj"),
-             mlp_modules.get("gate_proj"), mlp_modules.get("up_proj"), mlp_modules.get("down_proj"))
-    norm1, norm2 = modules["input_layernorm"], modules["post_attention_layernorm"]
-    return (dtype, mlp, norm1, norm2, norm1._parameters["weight"].data_ptr(), norm2._parameters["weight"].data_ptr(),
-            *parts, *map(_direct_of, parts))
-
-
-def _direct_of(module):
-    """The DirectProduct a linear reads (a fused member: its group's), or None."""
-    if module is None:
-        return None
-    fused = module.__dict__.get("fused")
-    return module.__dict__.get("direct") if fused is None else getattr(fused, "direct", None)
-
-
-def _plan(layer, dtype: torch.dtype) -> _LayerPlan:
-    key = _plan_key(layer, dtype)
-    plan = _plans.get(layer)
-    if plan is None or plan.key != key:
-        plan = _plans[layer] = _build_plan(layer, dtype, key)
-    return plan
-
-
-def _packed(module, dtype: torch.dtype):
-    """The DirectProduct of a packed linear the native kernel reads in `dtype`, else None."""
-    direct = getattr(module, "direct", None)
-    return direct if direct is not None and direct.dtype == dtype else None
-
-
-# HF MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)): a morphing instance keeps them
-HF_SWIGLU_MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "MistralMLP")
-
-
-def _projections(attn, dtype: torch.dtype) -> list | None:
-    """q/k/v as [(DirectProduct, bias, first output column)]: one fused product, or three packed linears (a morphing
-    instance packs each alone) written side by side into one [T, q | k | v] buffer; None where one is neither."""
-    q_proj, k_proj, v_proj = attn.q_proj, attn.k_proj, attn.v_proj
-    if type(q_proj) is FusedMemberLinear:
-        qkv = q_proj.fused
-        if qkv.num_members != 3 or k_proj.fused is not qkv or v_proj.fused is not qkv or not qkv.packed:
-            return None
-        parts = [(_packed(qkv, dtype), qkv.bias, 0)]
-    elif type(q_proj) is PackedLinear and type(k_proj) is PackedLinear and type(v_proj) is PackedLinear:
-        q_size, kv_size = q_proj.out_features, k_proj.out_features
-        parts = [(_packed(m, dtype), m.bias, start)
-                 for m, start in ((q_proj, 0), (k_proj, q_size), (v_proj, q_size + kv_size))]
-    else:
-        return None
-    return parts if all(direct is not None for direct, _, _ in parts) else None
-
-
-def _mlp_products(mlp, dtype: torch.dtype) -> tuple[list, bool] | None:
-    """gate/up as [(DirectProduct, bias, first output column)] into one [T, gate | up] buffer, and whether silu * up
-    runs in the native kernel (SwiGLUMLP) or as HF's act_fn and product (HF's MLP on packed linears)."""
-    if type(mlp) is SwiGLUMLP:
-        gate_up = mlp.gate_proj.fused
-        if gate_up.num_members != 2 or mlp.up_proj.fused is not gate_up or not gate_up.packed:
-            return None
-        parts, native = [(_packed(gate_up, dtype), gate_up.bias, 0)], True
-    elif (type(mlp).__name__ in HF_SWIGLU_MLP_CLASSES and type(mlp).__module__.startswith("transformers.models.")
-          and type(mlp.gate_proj) is PackedLinear and type(mlp.up_proj) is PackedLinear):
-        parts = [(_packed(mlp.gate_proj, dtype), mlp.gate_proj.bias, 0),
-                 (_packed(mlp.up_proj, dtype), mlp.up_proj.bias, mlp.gate_proj.out_features)]
-        native = False
-    else:
-        return None
-    return (parts, native) if all(direct is not None for direct, _, _ in parts) else None
-
-
-def _build_plan(layer, dtype: torch.dtype, key: tuple) -> _LayerPlan:
-    """The layer's plan; its `struct` is None where a part is not of the kinds above (kept, so that the check is not
-    repeated every step while the layer stays so)."""
-    plan = _LayerPlan()
-    plan.key, plan.struct = key, None
-    attn, mlp = layer.self_attn, layer.mlp
-    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    o_proj, down_proj = attn.o_proj, getattr(mlp, "down_proj", None)
-    if (type(norm1) is not NativeRMSNorm or type(norm2) is not NativeRMSNorm or norm1.weight.dtype != dtype
-            or norm2.weight.dtype != dtype or type(o_proj) is not PackedLinear or type(down_proj) is not PackedLinear
-            or lean_layer_entries() is None):
-        return plan
-    qkv_parts, mlp_parts = _projections(attn, dtype), _mlp_products(mlp, dtype)
-    o_w, down_w = _packed(o_proj, dtype), _packed(down_proj, dtype)
-    if qkv_parts is None or mlp_parts is None or o_w is None or down_w is None:
-        return plan
-    gate_up_parts, native_silu = mlp_parts
-    head_dim, hidden = attn.head_dim, o_w.out_features
-    q_size, kv_size = attn.q_proj.out_features, attn.k_proj.out_features
-    inter2 = sum(direct.out_features for direct, _, _ in gate_up_parts)
-    inter = inter2 // 2
-    if (q_size != o_proj.in_features or down_proj.in_features != inter or down_w.out_features != hidden
-            or sum(d.out_features for d, _, _ in qkv_parts) != q_size + 2 * kv_size
-            or q_size % head_dim or kv_size % head_dim or norm1.weight.numel() != hidden):
-        return plan
-    s = LeanLayer()
-    s.norm1, s.norm2 = norm1.weight.data_ptr(), norm2.weight.data_ptr()
-    s.eps1, s.eps2, s.scaling = norm1.variance_epsilon, norm2.variance_epsilon, attn.scaling
-    s.hidden, s.q_size, s.kv_size, s.head_dim, s.inter = hidden, q_size, kv_size, head_dim, inter
-    s.n_qkv, s.n_gate_up = len(qkv_parts), len(gate_up_parts)
-    products = [*qkv_parts, (o_w, o_proj.bias, 0), *gate_up_parts, (down_w, down_proj.bias, 0)]
-    slots = [*s.qkv[:len(qkv_parts)], s.o, *s.gate_up[:len(gate_up_parts)], s.down]
-    for slot, (direct, bias, column) in zip(slots, products):
-        slot.weight, slot.bias, slot.n, slot.column = direct.weight_ptr, _ptr(bias), direct.out_features, column
-    plan.struct, plan.address = s, ctypes.addressof(s)
-    plan.native_silu = native_silu
-    plan.max_tokens = min(direct.onednn_from_rows for direct, _, _ in products)   # oneDNN runs from there on
-    plan.head_dim, plan.inter = head_dim, inter
-    plan.widths = (hidden, q_size + 2 * kv_size, q_size, kv_size, q_size, hidden, inter2, inter, hidden)  # WORKSPACE
-    plan.act_fn = None if native_silu else mlp.act_fn
-    # what the addresses point into: the plan keeps them alive while it lives (the key holds the modules)
-    plan.keep = (norm1.weight, norm2.weight, *(bias for _, bias, _ in products))
-    return plan
-
-
 # ------------------------------------------------------------------------------------------------ the step's context
 class _StepContext:
     """What every layer of one decode step shares: the LeanStep (kernels, the batch's addresses, the workspace), its
     address, and what that points into. Built by the step's first layer (`_context`)."""
 
     __slots__ = ("cos", "sin", "tokens", "dtype", "head_dim", "first_layer", "step", "address", "buffers", "widths",
-                 "failed", "failed_address", "batch", "timer")
+                 "failed", "failed_address", "failed_index", "failed_index_address", "batch", "timer", "run_out",
+                 "run_rest")
 
     def fit(self, widths: tuple) -> None:
         """Workspace buffers of at least `widths` elements a row (a layer wider than those before it grows them)."""
@@ -273,6 +141,9 @@ def _build_context(batch, cos: torch.Tensor, sin: torch.Tensor, tokens: int, dty
     ctx.buffers, ctx.widths = {}, None
     ctx.failed = ctypes.c_int(0)
     ctx.failed_address = ctypes.addressof(ctx.failed)
+    ctx.failed_index = ctypes.c_int64(0)
+    ctx.failed_index_address = ctypes.addressof(ctx.failed_index)
+    ctx.run_out, ctx.run_rest = None, []
     ctx.batch = batch   # (the chunk table, lengths and write rows the addresses point into live on the batch)
     ctx.timer = _kernel_seconds   # alive while the step adds to it, even if the profiler stops mid-step
     return ctx
@@ -282,9 +153,13 @@ def _build_context(batch, cos: torch.Tensor, sin: torch.Tensor, tokens: int, dty
 def lean_decode_forward(layer, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         batch) -> torch.Tensor | None:
     """The layer's output for a decode-only step, or None where a part is not of the kinds above (the caller runs the
-    fused forward). hidden_states: [1, T, hidden], one decode token per row."""
+    fused forward). hidden_states: [1, T, hidden], one decode token per row. A layer of native silu also computes
+    the lean layers that follow it in the decoder's order (`_run_after`): their own calls pass its output through."""
+    ctx = batch.scratch
+    if ctx.__class__ is _StepContext and ctx.run_rest and hidden_states is ctx.run_out:
+        return _pass_through(ctx, layer, hidden_states)
     dtype = hidden_states.dtype
-    plan = _plan(layer, dtype)
+    plan = layer_plan(layer, dtype)
     tokens = hidden_states.shape[1]
     if (plan.struct is None or tokens >= plan.max_tokens or not hidden_states.is_contiguous()
             or hidden_states.device.type != "cpu"):
@@ -293,9 +168,23 @@ def lean_decode_forward(layer, hidden_states: torch.Tensor, cos: torch.Tensor, s
     if ctx is None or ctx.head_dim != plan.head_dim:   # (a partial rotary is not the kernel's formula)
         return None
     ctx.fit(plan.widths)
-    layer_entry, down_entry = lean_layer_entries()
+    layer_entry, down_entry, run_entry = lean_layer_entries()
     local_layer = layer.self_attn.layer_idx - ctx.first_layer   # a pipeline stage holds only its own layers
     out = torch.empty_like(hidden_states)                        # [1, T, hidden]: the residual stream, a new tensor
+    run = _run_after(layer, plan, ctx, batch, tokens, dtype) if plan.native_silu else ()
+    if run:
+        members = ((layer, plan), *run)
+        plans = (ctypes.c_void_p * len(members))(*(p.address for _, p in members))
+        local = (ctypes.c_int64 * len(members))(*(local_layer + j for j in range(len(members))))
+        spare = torch.empty_like(hidden_states)                  # the residual stream between the run's layers
+        status = run_entry(ctx.address, ctypes.addressof(plans), ctypes.addressof(local), len(members),
+                           hidden_states.data_ptr(), out.data_ptr(), spare.data_ptr(), ctx.failed_address,
+                           ctx.failed_index_address)
+        if status:
+            index = ctx.failed_index.value
+            _raise(ctx, members[index][1], local_layer + index, status)
+        ctx.run_out, ctx.run_rest = out, [member for member, _ in reversed(run)]
+        return out
     status = layer_entry(ctx.address, plan.address, local_layer, hidden_states.data_ptr(), out.data_ptr(),
                          plan.native_silu, ctx.failed_address)
     if status:
@@ -310,7 +199,62 @@ def lean_decode_forward(layer, hidden_states: torch.Tensor, cos: torch.Tensor, s
     return out
 
 
-def _raise(ctx: _StepContext, plan: _LayerPlan, local_layer: int, status: int) -> None:
+def _run_after(layer, plan: LayerPlan, ctx: _StepContext, batch, tokens: int, dtype: torch.dtype) -> list:
+    """[(layer, plan)] of the lean layers of native silu that the decoder calls right after `layer` in this step
+    (batch.layer_order: the decoder's ModuleList, in the order HF's loop calls it), each growing the workspace to
+    its widths; empty where the order is not known or a forward hook would watch a layer's own output. A run ends at
+    a layer of another kind (a pipeline stage's SkippedLayer, a morphed or HF-MLP layer): it runs as before."""
+    order = batch.layer_order
+    if order is None or _hooked(layer) or _global_hooks():
+        return []
+    layers = list(order._modules.values())
+    index = layer.self_attn.layer_idx
+    if index >= len(layers) or layers[index] is not layer:
+        return []
+    run = []
+    for follower in layers[index + 1:]:
+        if follower.__class__ is not layer.__class__ or _hooked(follower):
+            break
+        follower_plan = layer_plan(follower, dtype)
+        if (follower_plan.struct is None or not follower_plan.native_silu or tokens >= follower_plan.max_tokens
+                or follower_plan.head_dim != ctx.head_dim
+                or follower.self_attn.layer_idx != index + 1 + len(run)):
+            break
+        ctx.fit(follower_plan.widths)
+        run.append((follower, follower_plan))
+    return run
+
+
+def take_lean_run(batch, out: torch.Tensor) -> int:
+    """How many layers after the one that returned `out` a lean run computed with it (0: none); a caller that
+    does not call them (model/flat_forward.py) takes them here, so that no pass-through awaits them."""
+    ctx = batch.scratch
+    if ctx.__class__ is not _StepContext or ctx.run_out is not out or not ctx.run_rest:
+        return 0
+    count = len(ctx.run_rest)
+    ctx.run_rest = []
+    return count
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+
+
+def _pass_through(ctx: _StepContext, layer, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A layer the run before it computed already: its output is the run's."""
+    expected = ctx.run_rest.pop()
+    if expected is not layer:   # the decoder called another layer than the one its order put next
+        raise RuntimeError(f"decoder layer {layer.self_attn.layer_idx} ran where layer "
+                           f"{expected.self_attn.layer_idx} was next in the decoder's order: a lean run computed it "
+                           "already (layers/lean_decode.py assumes HF's loop calls batch.layer_order in order)")
+    return hidden_states
+
+
+def _raise(ctx: _StepContext, plan: LayerPlan, local_layer: int, status: int) -> None:
     """The error of the kernel lean_layer.c stopped at, with the numbers its own wrapper gives."""
     op, s, layer = ctx.failed.value, ctx.step, plan.struct
     kv_heads = layer.kv_size // layer.head_dim
@@ -323,7 +267,3 @@ def _raise(ctx: _StepContext, plan: _LayerPlan, local_layer: int, status: int) -
         check_gemm_status(status, ctx.tokens, layer.hidden, layer.q_size + 2 * layer.kv_size)
     raise RuntimeError(f"{OP_NAMES.get(op, f'kernel {op}')} failed with status {status} in layer {local_layer} of a "
                        f"{ctx.tokens}-row decode step")
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()

@@ -14,6 +14,7 @@ from torch import nn
 
 from elastic_hf.kv.attention_backends import AttentionBackend, LayerAttention
 from elastic_hf.kv.page_pool import KVPagePool
+from elastic_hf.model.flat_forward import FlatForward
 from elastic_hf.model.stage import StageSpec, StageView
 
 
@@ -52,6 +53,15 @@ class ModelRunner:
         # (packed weights leave meta tensors where their plain Parameters were: a tied embedding table among them)
         self.device = next(p.device for p in model.parameters() if not p.is_meta)
         self.stage_view: StageView | None = None
+        # The decoder whose forward calls every layer of its `layers` once a step, in order, where their number is
+        # the config's (HF's loop runs `layers[:num_hidden_layers]`): the batch carries that order (PagedBatch.
+        # layer_order) so that a layer path may compute several layers in one call. None: an unknown decoder
+        # HF's model forward as one flat function of ours, where the model's family and layers allow it
+        self.flat_forward = FlatForward.for_model(model)
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        self.decoder = (decoder if isinstance(getattr(decoder, "layers", None), nn.ModuleList)
+                        and isinstance(getattr(getattr(decoder, "config", None), "num_hidden_layers", None), int)
+                        else None)
 
     @property
     def stage(self) -> StageSpec | None:
@@ -93,6 +103,9 @@ class ModelRunner:
         step.batch = self.attention.build_metadata(
             self.pool, [(inputs[i].num_computed, len(inputs[i].token_ids), inputs[i].block_ids) for i in order],
             self.layer_attention)
+        decoder = self.decoder
+        if decoder is not None and len(decoder.layers) == decoder.config.num_hidden_layers:
+            step.batch.layer_order = decoder.layers
         return step
 
     @torch.inference_mode()
@@ -109,14 +122,21 @@ class ModelRunner:
                                  f"{len(step.input_ids)} tokens, got "
                                  f"{None if hidden_in is None else tuple(hidden_in.shape)}")
             tokens = {"inputs_embeds": hidden_in.unsqueeze(0)}                                 # [1, T, hidden]
+        flat = self.flat_forward if self.flat_forward is not None and self.flat_forward.runs_now() else None
         if stage is not None and not stage.is_last:
+            if flat is not None:
+                return flat(pos, step.batch, tokens.get("input_ids"), tokens.get("inputs_embeds"))[0]
             out = self.stage_view.decoder(**tokens, position_ids=pos, use_cache=False, paged_batch=step.batch)
             return out.last_hidden_state[0]                                                    # [T, hidden]
         # Only the last position of each sampling sequence goes through the LM head (49k vocab rows).
         # sorted() is stable: the rows of one input stay in position order when they go back to the callers' order.
         keep = torch.tensor(step.logit_rows, dtype=torch.long, device=self.device)
-        out = self.model(**tokens, position_ids=pos, use_cache=False, logits_to_keep=keep, paged_batch=step.batch)
-        return callers_order(out.logits[0].float(), step.logit_owner)   # [num_sampling_seqs, vocab]
+        if flat is not None:
+            logits = flat(pos, step.batch, tokens.get("input_ids"), tokens.get("inputs_embeds"), keep)
+        else:
+            logits = self.model(**tokens, position_ids=pos, use_cache=False, logits_to_keep=keep,
+                                paged_batch=step.batch).logits
+        return callers_order(logits[0].float(), step.logit_owner)   # [num_sampling_seqs, vocab]
 
 
 def callers_order(logits: torch.Tensor, logit_owner: list[int]) -> torch.Tensor:

@@ -167,3 +167,22 @@ int elastic_lean_mlp_down(const LeanStep *s, const LeanLayer *l, const void *act
     CHECK(LEAN_OP_RESIDUAL, residual_add(out, out, s->down, s->tokens * l->hidden, s->elem));
     return 0;
 }
+
+/* A run of consecutive decoder layers of native silu (layers/lean_decode.py): layers[j] at local index
+ * local_layers[j], j = 0 .. count-1, each a whole elastic_lean_layer, in one call. Why: between two layer calls
+ * Python spends ~50-80 us a layer in a real step (the weights each layer streams leave the interpreter's code and
+ * data cold), ~2 ms of a 30-layer step; HF's loop then only passes the run's output through the other layers.
+ * The residual stream alternates between `out` and `spare` ([tokens, hidden] each) so that the last layer writes
+ * `out`. On a failure *failed_index is the run's index of the failing layer (nothing after it ran). */
+int elastic_lean_layers(const LeanStep *s, const LeanLayer *const *layers, const int64_t *local_layers,
+                        int64_t count, const void *x, void *out, void *spare, int *failed_op, int64_t *failed_index)
+{
+    const void *src = x;
+    for (int64_t j = 0; j < count; j++) {
+        void *dst = (count - 1 - j) % 2 == 0 ? out : spare;
+        const int status = elastic_lean_layer(s, layers[j], local_layers[j], src, dst, 1, failed_op);
+        if (status) { *failed_index = j; return status; }
+        src = dst;
+    }
+    return 0;
+}

@@ -44,11 +44,13 @@ class LeanLayer(ctypes.Structure):
 
 @cache
 def lean_layer_entries():
-    """(elastic_lean_layer, elastic_lean_mlp_down), or None where native kernels are off or cannot be built."""
+    """(elastic_lean_layer, elastic_lean_mlp_down, elastic_lean_layers), or None where native kernels are off or
+    cannot be built."""
     # structures by address (ctypes.addressof, taken once): an int converts faster than a byref a call
     layer = bind("lean_layer", "elastic_lean_layer", [_ptr, _ptr, _i64, _ptr, _ptr, _int, _ptr], _int)
     down = bind("lean_layer", "elastic_lean_mlp_down", [_ptr, _ptr, _ptr, _ptr, _ptr], _int)
-    return None if layer is None or down is None else (layer, down)
+    run = bind("lean_layer", "elastic_lean_layers", [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr], _int)
+    return None if layer is None or down is None or run is None else (layer, down, run)
 
 
 def entry_address(fn) -> int:

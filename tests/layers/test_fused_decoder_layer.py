@@ -9,7 +9,7 @@ from elastic_hf import ElasticModel
 from elastic_hf.layers.fused_decoder_layer import FusedDecoderLayer, fusable_layer, use_fused_layers
 from elastic_hf.layers.packed_linear import FusedMemberLinear
 from elastic_hf.model.loader import load_hf_model
-from greedy_reference import hf_greedy, mixed_prompts
+from greedy_reference import hf_greedy, mixed_prompts, step_logits
 
 MAX_NEW = 8
 
@@ -28,24 +28,6 @@ def test_fused_layers_give_hf_greedy_tokens(tiny_checkpoint, arch):
         assert all(isinstance(layer, FusedDecoderLayer) for layer in layers)
         got = [o.outputs[0].token_ids for o in model.generate(prompts, max_tokens=MAX_NEW)]
     assert got == [hf_greedy(ref, p, MAX_NEW) for p in prompts]
-
-
-def _step_logits(model, prompts) -> list[torch.Tensor]:
-    """The logits of every step of a greedy batch (chunked prefills and decodes mixed), as the runner returns them."""
-    runner = model.instances[0].engine.runner
-    seen, execute = [], runner.execute
-
-    def recording(inputs):
-        logits = execute(inputs)
-        seen.append(logits.clone())
-        return logits
-
-    runner.execute = recording
-    try:
-        model.generate(prompts, max_tokens=MAX_NEW)
-    finally:
-        runner.execute = execute
-    return seen
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +52,7 @@ def test_fused_forward_is_bit_identical_to_hfs(wide_llama, packed):
             assert all(isinstance(layer, FusedDecoderLayer) == (mode != "off") for layer in layers)
             if packed == "auto":
                 assert isinstance(layers[0].self_attn.q_proj, FusedMemberLinear)
-            logits[mode] = _step_logits(model, prompts)
+            logits[mode] = step_logits(model, prompts, MAX_NEW)
     assert len(logits["off"]) == len(logits["auto"]) == len(logits["on"]) > 0
     for a, b, c in zip(logits["off"], logits["auto"], logits["on"]):
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -88,7 +70,7 @@ def test_fused_forward_runs_the_morphed_linears(tiny_checkpoint):
                                           morph_options={"precisions": ("w8",)}) as model:
             model.morph.to_precision([0, 1], "w8")
             assert all(isinstance(layer, FusedDecoderLayer) == (mode == "auto") for layer in _layers(model))
-            logits[mode] = _step_logits(model, prompts)
+            logits[mode] = step_logits(model, prompts, MAX_NEW)
     for a, b in zip(logits["off"], logits["auto"]):
         assert torch.equal(a, b)
 

@@ -27,7 +27,8 @@ def wide(tmp_path_factory):
 
 
 def _run(model, prompts, lean: bool, monkeypatch) -> tuple[list[torch.Tensor], list[bool]]:
-    """Every step's logits, and for every lean attempt whether it ran (True) or fell back, with its step kind."""
+    """Every step's logits, and for every lean attempt whether it ran (True) or fell back, with its step kind (a
+    layer a lean run computed counts as an attempt that ran)."""
     runner = model.instances[0].engine.runner
     seen, attempts, execute = [], [], runner.execute
 
@@ -38,7 +39,10 @@ def _run(model, prompts, lean: bool, monkeypatch) -> tuple[list[torch.Tensor], l
 
     def counted(layer, hidden_states, cos, sin, batch):
         out = lean_decode.lean_decode_forward(layer, hidden_states, cos, sin, batch)
-        attempts.append((out is not None, not batch.prefills))
+        if out is not hidden_states:   # (a layer a lean run computed passes it through: counted with the run)
+            ctx = batch.scratch
+            computed = 1 + (len(ctx.run_rest) if out is not None and ctx.run_out is out else 0)
+            attempts.extend([(out is not None, not batch.prefills)] * computed)
         return out
 
     monkeypatch.setattr(fused_decoder_layer, "lean_decode_enabled", lambda: lean)
