@@ -53,11 +53,11 @@ class ModelRunner:
         # (packed weights leave meta tensors where their plain Parameters were: a tied embedding table among them)
         self.device = next(p.device for p in model.parameters() if not p.is_meta)
         self.stage_view: StageView | None = None
+        # HF's model forward as one flat function of ours, where the model's family and layers allow it
+        self.flat_forward = FlatForward.for_model(model)
         # The decoder whose forward calls every layer of its `layers` once a step, in order, where their number is
         # the config's (HF's loop runs `layers[:num_hidden_layers]`): the batch carries that order (PagedBatch.
         # layer_order) so that a layer path may compute several layers in one call. None: an unknown decoder
-        # HF's model forward as one flat function of ours, where the model's family and layers allow it
-        self.flat_forward = FlatForward.for_model(model)
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
         self.decoder = (decoder if isinstance(getattr(decoder, "layers", None), nn.ModuleList)
                         and isinstance(getattr(getattr(decoder, "config", None), "num_hidden_layers", None), int)
