@@ -6,9 +6,10 @@ Why: HF's two model forwards wrap that sequence in `deprecate_kwarg`, `merge_wit
 `capture_outputs` and `auto_docstring` layers, build a causal mask the switched layers never read (the paged batch
 says what attends to what), slice `layers[:num_hidden_layers]` into a new ModuleList, call every layer through
 nn.Module's `__call__` and wrap the outputs in dataclasses: ~1.3 ms of a ~10.5 ms batch-1 bf16 step of the default
-model on a 2-core Zen 5 EPYC by section timers (with lean runs, in-process A/Bs: 1.02-1.07x a decode step). Here the same modules run in the same order on the same tensors, so the logits are HF's bit for
-bit (tests/model/test_flat_forward.py); the layers a lean run computed already (layers/lean_decode.py) are not
-called at all. A pipeline stage runs the same way: its foreign layers (model/stage.py's SkippedLayer) are skipped,
+model on a 2-core Zen 5 EPYC by section timers (with lean runs, in-process A/Bs: 1.02-1.07x a decode step). Here the
+same modules run in the same order on the same tensors, so the logits are HF's bit for bit
+(tests/model/test_flat_forward.py); the layers a lean run computed already (layers/lean_decode.py) are not called at
+all. A pipeline stage runs the same way: its foreign layers (model/stage.py's SkippedLayer) are skipped,
 its norm is the identity unless it is the last stage, and a stage that is not the last returns hidden states.
 
 Only HF's own classes of the families whose forwards are exactly that sequence take it; anything else (another

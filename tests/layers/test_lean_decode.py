@@ -9,7 +9,7 @@ import torch
 from elastic_hf import ElasticModel
 from elastic_hf.layers import fused_decoder_layer, lean_decode
 from elastic_hf.model.loader import load_hf_model
-from greedy_reference import mixed_prompts
+from greedy_reference import mixed_prompts, step_logits
 
 MAX_NEW = 8
 
@@ -29,13 +29,7 @@ def wide(tmp_path_factory):
 def _run(model, prompts, lean: bool, monkeypatch) -> tuple[list[torch.Tensor], list[bool]]:
     """Every step's logits, and for every lean attempt whether it ran (True) or fell back, with its step kind (a
     layer a lean run computed counts as an attempt that ran)."""
-    runner = model.instances[0].engine.runner
-    seen, attempts, execute = [], [], runner.execute
-
-    def recording(inputs):
-        logits = execute(inputs)
-        seen.append(logits.clone())
-        return logits
+    attempts = []
 
     def counted(layer, hidden_states, cos, sin, batch):
         out = lean_decode.lean_decode_forward(layer, hidden_states, cos, sin, batch)
@@ -47,12 +41,7 @@ def _run(model, prompts, lean: bool, monkeypatch) -> tuple[list[torch.Tensor], l
 
     monkeypatch.setattr(fused_decoder_layer, "lean_decode_enabled", lambda: lean)
     monkeypatch.setattr(fused_decoder_layer, "lean_decode_forward", counted)
-    runner.execute = recording
-    try:
-        model.generate(prompts, max_tokens=MAX_NEW)
-    finally:
-        runner.execute = execute
-    return seen, attempts
+    return step_logits(model, prompts, MAX_NEW), attempts
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "bfloat16")])   # Qwen2: q/k/v biases
