@@ -196,3 +196,28 @@ def test_the_bf16_dot_setting(monkeypatch):
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():        # built with -march=native: the kernel exactly where the CPU has it
         assert has_dot == ("avx512_bf16" in cpuinfo.read_text())
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_many_rows_give_the_bits_of_few(dtype):
+    """From PANEL_FROM_ROWS rows a bf16 product on AVX2 runs in panels (packed rows and strips, sums kept between
+    K panels), which must sum each output in the walk's order: the product of all rows at once equals, bit for bit,
+    the same rows multiplied 48 at a time (the walk). Over several K panels (k = 2048: 8 of 256), two row blocks with
+    a short last tile (400 rows: 384 + 16), more strips a thread than one group of sums (n = 2304: 72 strips each on
+    2 threads), a bias and a row stride. Elsewhere (fp32, AVX-512) both sides are the walk."""
+    entry = _bf16_entry(dg._ENTRY_POINTS[dtype])
+    torch.manual_seed(9)
+    n, k, rows = 2304, 2048, 400
+    packed = dg.packed_layout((torch.randn(n, k) * 0.05).to(dtype)).contiguous()
+    bias = torch.randn(n).to(dtype)
+    x = torch.randn(rows, k + 64).to(dtype)[:, 32:32 + k]           # rows k + 64 elements apart
+    for b in (None, bias):
+        whole = torch.empty(rows, n, dtype=dtype)
+        assert entry(x.data_ptr(), x.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(),
+                     whole.data_ptr(), n, rows, n, k, 2) == 0
+        parts = torch.empty(rows, n, dtype=dtype)
+        for r0 in range(0, rows, 48):
+            part = x[r0:r0 + 48]
+            assert entry(part.data_ptr(), x.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(),
+                         parts[r0:].data_ptr(), n, part.shape[0], n, k, 2) == 0
+        assert torch.equal(whole, parts), b is None
