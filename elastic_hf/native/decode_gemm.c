@@ -540,10 +540,13 @@ static void pack_rows(const uint16_t *x, int64_t ldx, int64_t m0, int64_t rows, 
 {
     for (int64_t t = 0; t < tiles; t++)
         for (int r = 0; r < 6; r++) {
-            const int64_t row = 6 * t + r;
             float *out = ap + t * kc * 6 + r;
-            const uint16_t *in = x + (m0 + row) * ldx + k0;
-            for (int64_t kk = 0; kk < kc; kk++) out[kk * 6] = row < rows ? bf16_to_f32(in[kk ^ 1]) : 0.0f;
+            if (6 * t + r >= rows) {
+                for (int64_t kk = 0; kk < kc; kk++) out[kk * 6] = 0.0f;
+                continue;
+            }
+            const uint16_t *in = x + (m0 + 6 * t + r) * ldx + k0;
+            for (int64_t kk = 0; kk < kc; kk++) out[kk * 6] = bf16_to_f32(in[kk ^ 1]);
         }
 }
 

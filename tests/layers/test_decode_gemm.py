@@ -145,7 +145,8 @@ def test_a_copy_of_the_source_builds_to_the_same_bits(dtype, tmp_path):
     assert torch.equal(got, dg.decode_gemm(x, packed.data_ptr(), None, n))
 
 
-def _bf16_entry(name):
+def _entry_point(name):
+    """native/decode_gemm.c's entry point `name` (any dtype's), bound as the module binds its own."""
     import ctypes
 
     from elastic_hf.native.build import bind, load_library
@@ -159,8 +160,8 @@ def test_bf16_on_vdpbf16ps_gives_the_widened_kernels_bits():
     whichever the probe takes, a bf16 model's tokens are the same: bit-equal products at every row-tile size the dot
     entry runs (1-2 rows it hands to the widened walk itself), over a K chunk boundary and past ROW_CHUNK rows, with
     a bias and a row stride (denormal-free values: vdpbf16ps flushes those)."""
-    dot = _bf16_entry(dg._BF16_DOT_ENTRY_POINT)
-    widened = _bf16_entry(dg._ENTRY_POINTS[torch.bfloat16])
+    dot = _entry_point(dg._BF16_DOT_ENTRY_POINT)
+    widened = _entry_point(dg._ENTRY_POINTS[torch.bfloat16])
     torch.manual_seed(5)
     n, k = 192, 2048                       # 64 K tiles: 16 of the dot tile's 4-tile chunks
     packed = dg.packed_layout((torch.randn(n, k) * 0.05).to(torch.bfloat16)).contiguous()
@@ -189,7 +190,7 @@ def test_the_bf16_dot_setting(monkeypatch):
         dg.bf16_dot_chosen.__wrapped__()
     monkeypatch.setenv(dg.BF16_DOT_ENV_VAR, "1")      # forced: taken wherever the build has AVX512-BF16
     x, w, y = (torch.zeros(size, dtype=torch.bfloat16) for size in (32, 64 * 32, 64))
-    has_dot = _bf16_entry(dg._BF16_DOT_ENTRY_POINT)(x.data_ptr(), 32, w.data_ptr(), None, y.data_ptr(), 64, 1, 64,
+    has_dot = _entry_point(dg._BF16_DOT_ENTRY_POINT)(x.data_ptr(), 32, w.data_ptr(), None, y.data_ptr(), 64, 1, 64,
                                                     32, 1) == 0
     assert dg.bf16_dot_chosen.__wrapped__() is has_dot
     from pathlib import Path
@@ -205,7 +206,7 @@ def test_many_rows_give_the_bits_of_few(dtype):
     the same rows multiplied 48 at a time (the walk). Over several K panels (k = 2048: 8 of 256), two row blocks with
     a short last tile (400 rows: 384 + 16), more strips a thread than one group of sums (n = 2304: 72 strips each on
     2 threads), a bias and a row stride. Elsewhere (fp32, AVX-512) both sides are the walk."""
-    entry = _bf16_entry(dg._ENTRY_POINTS[dtype])
+    entry = _entry_point(dg._ENTRY_POINTS[dtype])
     torch.manual_seed(9)
     n, k, rows = 2304, 2048, 400
     packed = dg.packed_layout((torch.randn(n, k) * 0.05).to(dtype)).contiguous()
