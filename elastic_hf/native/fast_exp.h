@@ -3,7 +3,7 @@
  *                    exp(-87.3) ~ 1e-38, a probability that rounds away in the sum.
  *   exp_any:         the whole float range (SiLU); above 88.7 it gives FLT_MAX's neighbourhood, not inf.
  *   exp_nonpositive_avx512: exp_nonpositive on 16 lanes of intrinsics (where the compiler's vectorised loop would
- *                    leave the kernel's registers), with the same constants. */
+ *                    leave the kernel's registers), with the same constants; exp_nonpositive_avx2 the same on 8. */
 #ifndef ELASTIC_HF_FAST_EXP_H
 #define ELASTIC_HF_FAST_EXP_H
 
@@ -71,6 +71,28 @@ static inline __attribute__((always_inline)) __m512 exp_nonpositive_avx512(__m51
     p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
     const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* exp_nonpositive on 8 lanes (AVX2 + FMA), the same constants and steps as exp_nonpositive_avx512 */
+static inline __attribute__((always_inline)) __m256 exp_nonpositive_avx2(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(FAST_EXP_MIN));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(FAST_EXP_LOG2E), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(FAST_EXP_LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(FAST_EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(FAST_EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(FAST_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(FAST_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(FAST_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(FAST_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(FAST_EXP_P5));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 #endif
 
