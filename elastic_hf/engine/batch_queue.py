@@ -1,12 +1,15 @@
 """Cross-step pipelining (KunServe §4.3's pipeline kept full; vLLM's batch queue for pipeline parallelism): a
-pipelined instance keeps up to `depth` batches of disjoint sequences in flight, so stage s computes batch t+1 while
-stage s+1 finishes batch t, instead of draining the pipe at every step (bubble (pp-1)/(2pp-1) with pp micro-batches
-per step, 1/2 with one).
+pipelined instance keeps up to `depth` batches in flight, so stage s computes batch t+1 while stage s+1 finishes
+batch t, instead of draining the pipe at every step (bubble (pp-1)/(2pp-1) with pp micro-batches per step, 1/2 with
+one).
 
 One engine step = collect the oldest batch's output (update the sequences, stop conditions, outputs) and send the
-next batch, so the control plane's work for batch t overlaps the workers' computation of t+1. A sequence belongs to
-at most one batch in flight (Scheduler.in_flight): its next token needs the previous one. Each batch takes about
-1/depth of the runnable sequences and of the token budget, so the batches stay the same size as load comes and goes.
+next batch, so the control plane's work for batch t overlaps the workers' computation of t+1. A decode belongs to at
+most one batch in flight (Scheduler.in_flight): its next token needs the previous one. A prompt's next chunk may
+ride in the batch behind the one computing its previous chunk when that chunk does not sample
+(Scheduler.continues_in_flight): a long prompt then advances in every batch, not every other one. Each batch takes
+about 1/depth of the runnable sequences and of the token budget, so the batches stay the same size as load comes
+and goes.
 
 Control-plane actions that change the instances (a reshape, a drop, recovery) first `drain()`: the batches in flight
 finish and their outputs wait for the next step(); after a worker died, `discard()` forgets them (their sequences'
@@ -63,12 +66,11 @@ class BatchQueue:
             engine._count_prefix_cache(scheduler_output)
             if not scheduler_output:
                 return
-            ids = [s.seq.seq_id for s in scheduler_output.scheduled]
-            scheduler.in_flight.update(ids)
+            scheduler.send(scheduler_output)
             try:
                 finish = engine._submit(scheduler_output)
             except BaseException:
-                scheduler.in_flight.difference_update(ids)
+                scheduler.land(scheduler_output)
                 raise
             self.in_flight.append((scheduler_output, finish))
 
@@ -77,7 +79,7 @@ class BatchQueue:
         try:
             runner_output = finish()
         finally:
-            self.engine.scheduler.in_flight.difference_update(s.seq.seq_id for s in scheduler_output.scheduled)
+            self.engine.scheduler.land(scheduler_output)
         return self.engine._complete(scheduler_output, runner_output)
 
     def drain(self) -> None:
@@ -93,5 +95,5 @@ class BatchQueue:
     def discard(self) -> None:
         """Forget the batches in flight (their workers failed): their sequences are scheduled again."""
         for scheduler_output, _ in self.in_flight:
-            self.engine.scheduler.in_flight.difference_update(s.seq.seq_id for s in scheduler_output.scheduled)
+            self.engine.scheduler.land(scheduler_output)
         self.in_flight.clear()

@@ -165,9 +165,8 @@ class LLMEngine:
         logits are: on the worker when the runner offers it and no row needs the logits here (log-probabilities),
         else here. Only a step sampled on the workers of a runner that overlaps calls is in flight on return."""
         scheduled = scheduler_output.scheduled
-        inputs = [SeqStepInput(s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens],
-                               s.seq.num_computed_tokens, s.seq.block_ids, s.completes_prompt,
-                               self._wants_prompt_logits(s)) for s in scheduled]
+        inputs = [SeqStepInput(s.seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.seq.block_ids,
+                               s.completes_prompt, self._wants_prompt_logits(s)) for s in scheduled]
         seqs = scheduler_output.sampling_seqs   # the step's sampling rows, in order
         constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
         bitmask = fill_bitmasks([seqs[row].grammar for row in constrained]) if constrained else None   # [n, W]

@@ -41,9 +41,10 @@ class Scheduler:
         # queue keeps running on the free blocks. Blocks of one aborted meanwhile are held (KVManager.hold) until
         # the exchange ends: the exchange still writes into them.
         self.exchanging: list[Sequence] = []
-        # Sequences whose step is in flight (engine/batch_queue.py: a pipeline keeps several batches going): they
-        # are neither scheduled again nor preempted until their step's output is in.
-        self.in_flight: set[int] = set()
+        # Sequences whose step is in flight (engine/batch_queue.py: a pipeline keeps several batches going), with
+        # their tokens in those batches: never preempted, and scheduled again only with the next chunk of a prompt
+        # whose chunks in flight do not sample (continues_in_flight).
+        self.in_flight: dict[int, int] = {}
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -132,6 +133,30 @@ class Scheduler:
             self.kv.cache_block(seq.block_ids[i], hashes[i])
         seq.num_registered_blocks = full
 
+    def send(self, scheduler_output: SchedulerOutput) -> None:
+        """The batch's step is in flight (sent to a pipeline whose output comes later)."""
+        for s in scheduler_output.scheduled:
+            self.in_flight[s.seq.seq_id] = self.in_flight.get(s.seq.seq_id, 0) + s.num_new_tokens
+
+    def land(self, scheduler_output: SchedulerOutput) -> None:
+        """The batch's step is no longer in flight: its output is in, or it was discarded."""
+        for s in scheduler_output.scheduled:
+            left = self.in_flight.get(s.seq.seq_id, 0) - s.num_new_tokens
+            if left > 0:
+                self.in_flight[s.seq.seq_id] = left
+            else:
+                self.in_flight.pop(s.seq.seq_id, None)
+
+    def continues_in_flight(self, seq: Sequence) -> int | None:
+        """Where the next chunk of an in-flight `seq` would start, if it may run in the batch behind: its chunks in
+        flight do not reach its last token (none samples, so the next chunk needs no token from them) and no
+        prompt log-probabilities are recorded for it (those are taken in chunk order from the computed count).
+        Every stage runs the batches in order, so that chunk attends to KV its predecessors wrote. None: wait."""
+        start = seq.num_computed_tokens + self.in_flight[seq.seq_id]
+        if start >= len(seq.token_ids) or seq.params.prompt_logprobs is not None:
+            return None
+        return start
+
     def num_runnable(self) -> int:
         """Sequences a step could take now: running ones not in flight, and the queue."""
         return len(self.running) - sum(s.seq_id in self.in_flight for s in self.running) + len(self.waiting)
@@ -152,8 +177,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             seq = self.running[i]
+            i += 1
             if seq.seq_id in self.in_flight:
-                i += 1
+                start = self.continues_in_flight(seq)
+                if start is None:
+                    continue
+                num_new = min(len(seq.token_ids) - start, budget)
+                needed = self.kv.blocks_to_grow(len(seq.block_ids), start + num_new)
+                if not self.kv.can_allocate(needed):
+                    continue   # a chunk ahead of its predecessor's output never preempts anything
+                seq.block_ids.extend(self.kv.allocate(needed))
+                scheduled.append(ScheduledSeq(seq, num_new, start))
+                budget -= num_new
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             needed = self.blocks_needed(seq, num_new)
@@ -167,7 +202,6 @@ class Scheduler:
             seq.block_ids.extend(self.kv.allocate(needed))
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
-            i += 1
 
         # Admit waiting sequences while the budget, the sequence cap and the free blocks allow. Never preempt for
         # a newcomer. A sequence with nothing computed (new, or preempted) first takes the cached blocks of its

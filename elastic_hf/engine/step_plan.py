@@ -15,11 +15,18 @@ from elastic_hf.engine.sequence import Sequence
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    # Offset of the chunk's first token: the sequence's computed tokens, plus those of its earlier chunks still in
+    # flight (a pipeline may carry a prompt's next chunk in the batch behind the one computing its previous chunk).
+    start: int = -1
+
+    def __post_init__(self):
+        if self.start < 0:
+            self.start = self.seq.num_computed_tokens
 
     @property
     def completes_prompt(self) -> bool:
         """True when after this step every token of the sequence is in the cache, so it samples."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+        return self.start + self.num_new_tokens == len(self.seq.token_ids)
 
 
 @dataclass(slots=True)

@@ -49,8 +49,7 @@ class Timeline:
         prefill_tokens = prefill_seqs = decode_seqs = 0
         for s in scheduled:
             seq = s.seq
-            if s.num_new_tokens == 1 and seq.num_computed_tokens == len(seq.token_ids) - 1 \
-                    and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            if s.num_new_tokens == 1 and s.start == len(seq.token_ids) - 1 and s.start >= seq.num_prompt_tokens:
                 decode_seqs += 1
                 continue
             prefill_tokens += s.num_new_tokens

@@ -88,17 +88,68 @@ def test_sequences_in_flight_are_neither_scheduled_again_nor_preempted():
         sched.add(seq)
     first = sched.schedule(max_seqs=2)
     assert [s.seq for s in first] == seqs[:2] and list(sched.waiting) == [seqs[2]]
-    sched.in_flight.update(s.seq.seq_id for s in first)
+    sched.send(first)
     assert sched.num_runnable() == 1
     second = sched.schedule()
-    assert [s.seq for s in second] == [seqs[2]]       # the in-flight pair is not scheduled twice
-    _advance(sched, second)
-    sched.in_flight.add(seqs[2].seq_id)
+    assert [s.seq for s in second] == [seqs[2]]       # the in-flight pair samples: it is not scheduled twice
+    sched.send(second)
     assert not sched.schedule()                          # everything is in flight
-    sched.in_flight.difference_update(s.seq.seq_id for s in first)
+    sched.land(second)
+    _advance(sched, second)
+    sched.send(_only(seqs[2]))                           # seq 2 decoding in flight
+    sched.land(first)
     _advance(sched, first)
     # 3 blocks used, 3 free; seqs 0 and 1 need a second block each, seq 2 (in flight, youngest) must not go
     sched.kv.allocate(2)                                 # leave one free block
     third = sched.schedule()
     assert [s.seq for s in third] == [seqs[0]]           # seq 1 preempted (youngest not in flight), not seq 2
     assert seqs[1].status is SeqStatus.WAITING and seqs[2].status is SeqStatus.RUNNING
+
+
+def _only(seq, num_new=1):
+    from elastic_hf.engine.step_plan import ScheduledSeq, SchedulerOutput
+
+    return SchedulerOutput([ScheduledSeq(seq, num_new)])
+
+
+def test_a_prompts_next_chunk_rides_in_the_batch_behind_its_previous_one():
+    """A chunk in flight that does not sample leaves nothing the next chunk needs: the next batch takes it, from the
+    offset after every chunk in flight, with its blocks; the chunk that reaches the prompt's end samples, and the
+    decode after it waits for its token. A request that records prompt log-probabilities waits (they are taken in
+    chunk order), and a chunk ahead of its predecessor never preempts anything."""
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4)
+    sched = Scheduler(config, KVManager(16, 4))
+    long = _seq(0, 25)
+    sched.add(long)
+    chunks = []
+    for _ in range(3):
+        batch = sched.schedule(budget=10)
+        chunks.append(batch)
+        sched.send(batch)
+    assert [(s.start, s.num_new_tokens) for b in chunks for s in b] == [(0, 10), (10, 10), (20, 5)]
+    assert [b.sampling_seqs for b in chunks] == [[], [], [long]]
+    assert len(long.block_ids) == 7 and long.num_computed_tokens == 0
+    assert not sched.schedule(budget=10)                # its last chunk samples: the decode waits for the token
+    for batch in chunks:                                 # the outputs come in order
+        sched.land(batch)
+        _advance(sched, batch)
+    assert long.num_computed_tokens == 25 and long.token_ids[-1] == 7 and not sched.in_flight
+
+    logprobs = Sequence(1, "r1", 0, list(range(25)), 25, SamplingParams(max_tokens=4, prompt_logprobs=1), 0.0)
+    sched.add(logprobs)
+    batch = sched.schedule(budget=10)
+    assert [(s.seq, s.start) for s in batch] == [(long, 25), (logprobs, 0)]
+    sched.send(batch)
+    assert not sched.schedule(budget=10)                # long decodes in flight, logprobs records in order
+
+    full = Scheduler(config, KVManager(3, 4))
+    prompt, short = _seq(2, 20), _seq(3, 2)
+    full.add(prompt), full.add(short)
+    ahead = full.schedule(budget=8)                      # the prompt's first 8 tokens: 2 of the 3 blocks
+    full.send(ahead)
+    batch = full.schedule(budget=8)                      # its next chunk needs 2 blocks, 1 is free: `short` runs
+    assert [(s.seq, s.start) for s in batch] == [(short, 0)]
+    _advance(full, batch)
+    batch = full.schedule(budget=8)                      # no block free: nothing is preempted for the next chunk
+    assert [s.seq for s in batch] == [short] and full.num_preemptions == 0
+    assert short.status is SeqStatus.RUNNING and len(prompt.block_ids) == 2

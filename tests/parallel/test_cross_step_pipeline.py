@@ -58,6 +58,35 @@ def test_two_batches_in_flight_give_the_drained_pipelines_tokens(setup):
     assert results[None] == results[1]   # each sequence samples from its own generator, whatever the batching
 
 
+def test_a_long_prompt_advances_in_both_batches_in_flight(setup):
+    """A lone prompt of many chunks: each chunk but the last samples nothing, so the next one rides in the batch
+    behind it (Scheduler.continues_in_flight) and both batches in flight carry it; the greedy tokens stay HF's."""
+    path, prompts, _ = setup
+    long_prompt = [t for p in prompts for t in p][:200]
+    reference, _ = load_hf_model(path)
+    expected = hf_greedy(reference, long_prompt, MAX_NEW)
+    with ElasticModel.from_pretrained(path, workers=2, topology="1x2", kv_cache_memory=1 << 20,
+                                      max_num_batched_tokens=32, enable_prefix_caching=False) as model:
+        dep = model.deployment
+        engine = dep.instances[0].engine
+        rid = dep.add_request(None, long_prompt, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+        tokens, shared, steps_to_first = None, 0, None
+        for step in range(200):
+            for out in dep.step():
+                if steps_to_first is None and out.outputs[0].token_ids:
+                    steps_to_first = step + 1
+                if out.finished:
+                    tokens = out.outputs[0].token_ids
+            owners = [{s.seq.request_id for s in so.scheduled} for so, _ in engine.batches.in_flight]
+            shared += len(owners) == 2 and rid in owners[0] and rid in owners[1]
+            if tokens is not None:
+                break
+        assert tokens == expected
+        # 200 tokens in chunks of <= 32 (the per-batch budget): 7 chunks, each in flight beside its successor
+        assert shared >= 5 and steps_to_first <= 9, (shared, steps_to_first)
+        assert not engine.scheduler.in_flight and engine.scheduler.kv.num_used == 0
+
+
 def test_reshape_and_worker_death_with_batches_in_flight(setup):
     """A reshape drains the batches in flight (their outputs come with the next step, nothing is recomputed); a
     request aborted while its step is in flight is dropped alone; a worker killed with two batches in flight is
