@@ -53,9 +53,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.exchanging)
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks `seq` must still get for its next `num_new_tokens` tokens."""
-        return self.kv.blocks_to_grow(len(seq.block_ids), seq.num_computed_tokens + num_new_tokens)
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, start: int | None = None) -> int:
+        """Blocks `seq` must still get for `num_new_tokens` tokens from `start` (default: its computed tokens)."""
+        start = seq.num_computed_tokens if start is None else start
+        return self.kv.blocks_to_grow(len(seq.block_ids), start + num_new_tokens)
 
     def head_of_line(self) -> tuple[Sequence | None, bool]:
         """The oldest waiting sequence and whether it is blocked on KV blocks (its next chunk's blocks are not
@@ -183,24 +184,21 @@ class Scheduler:
                 if start is None:
                     continue
                 num_new = min(len(seq.token_ids) - start, budget)
-                needed = self.kv.blocks_to_grow(len(seq.block_ids), start + num_new)
+                needed = self.blocks_needed(seq, num_new, start)
                 if not self.kv.can_allocate(needed):
                     continue   # a chunk ahead of its predecessor's output never preempts anything
-                seq.block_ids.extend(self.kv.allocate(needed))
-                scheduled.append(ScheduledSeq(seq, num_new, start))
-                budget -= num_new
-                continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            needed = self.blocks_needed(seq, num_new)
-            while not self.kv.can_allocate(needed):
-                victim = self._youngest_preemptible()
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:
-                break  # seq preempted itself: nothing younger outside the batches in flight is left to run
+            else:
+                start, num_new = seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget)
+                needed = self.blocks_needed(seq, num_new)
+                while not self.kv.can_allocate(needed):
+                    victim = self._youngest_preemptible()
+                    self.preempt(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SeqStatus.RUNNING:
+                    break  # seq preempted itself: nothing younger outside the batches in flight is left to run
             seq.block_ids.extend(self.kv.allocate(needed))
-            scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled.append(ScheduledSeq(seq, num_new, start))
             budget -= num_new
 
         # Admit waiting sequences while the budget, the sequence cap and the free blocks allow. Never preempt for
@@ -229,7 +227,7 @@ class Scheduler:
                 queries += len(seq.token_ids)
                 hits += cached
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
         if queries:
             self.kv.prefix_cache.count_lookups(queries, hits)

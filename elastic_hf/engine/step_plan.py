@@ -17,11 +17,7 @@ class ScheduledSeq:
     num_new_tokens: int
     # Offset of the chunk's first token: the sequence's computed tokens, plus those of its earlier chunks still in
     # flight (a pipeline may carry a prompt's next chunk in the batch behind the one computing its previous chunk).
-    start: int = -1
-
-    def __post_init__(self):
-        if self.start < 0:
-            self.start = self.seq.num_computed_tokens
+    start: int
 
     @property
     def completes_prompt(self) -> bool:

@@ -3,7 +3,7 @@ from elastic_hf.engine.sampling_params import SamplingParams
 from elastic_hf.config import EngineConfig
 from elastic_hf.engine.scheduler import Scheduler
 from elastic_hf.engine.sequence import Sequence, SeqStatus
-from elastic_hf.engine.step_plan import ModelRunnerOutput
+from elastic_hf.engine.step_plan import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from elastic_hf.kv.kv_manager import KVManager
 
 
@@ -107,9 +107,7 @@ def test_sequences_in_flight_are_neither_scheduled_again_nor_preempted():
 
 
 def _only(seq, num_new=1):
-    from elastic_hf.engine.step_plan import ScheduledSeq, SchedulerOutput
-
-    return SchedulerOutput([ScheduledSeq(seq, num_new)])
+    return SchedulerOutput([ScheduledSeq(seq, num_new, seq.num_computed_tokens)])
 
 
 def test_a_prompts_next_chunk_rides_in_the_batch_behind_its_previous_one():
