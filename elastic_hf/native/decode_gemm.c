@@ -46,6 +46,7 @@
 #define BF16_DOT_FROM_ROWS 3         /* fewer rows take the widened walk (see elastic_decode_gemm_bf16_dot) */
 #define K_CHUNK_TILES_BF16_AVX2 4   /* the AVX2 tile walks strip by strip: 16 KiB chunks that stay in L1 */
 #define PREFETCH_BYTES 8192      /* software prefetch into L2, two 4 KiB tiles ahead in the weight stream */
+#define STREAM_AHEAD_BYTES 512  /* AVX2 bf16, one pass: each 64 B line of the weight prefetched 2 k-pairs ahead */
 
 /* Which kernels this build has: fp32 on AVX-512, else on AVX2 + FMA (ymm registers, below); bf16 with AVX512-BF16's
  * conversion on AVX-512, else the AVX2 + FMA tile (an AVX-512 CPU without AVX512-BF16 takes that one too). */
@@ -408,10 +409,20 @@ AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t l
             UNROLL for (int v = 0; v < 2 * g; v++) acc[m][v] = partial_or_zero(partial + m * 64 + c + 8 * v, first);
         for (int64_t kt = 0; kt < k_tiles; kt++) {
             const uint16_t *tile = w + kt * 16 * 64 * 2;      /* [16 k-pairs][64 n][2] */
-            prefetch_weight(pf, j0 / group * k_tiles + kt, per_it, (const char *)tile, s0, j0 == 0);
+            /* With no next chunk to fetch (one row: a single pass over the weight; or a thread's last chunk) the two
+             * lines a tile that prefetch_weight fetches two tiles ahead slowed the stream down, and every line
+             * fetched 512 B ahead sped it up: Llama-3.2-1B's linears and head at 1 row on the 2-core AVX2 EPYC, 2
+             * threads, 114.2 -> 105.5 ms (x1.082, 25 rounds; 2.47 GB at 23.4 GB/s; `python benchmarks/kernel_ab.py
+             * --base 588749f --dtype bfloat16 --rows 1 --shape llama-3.2-1b --rounds 25`). 256 B and 1-2 KiB ahead
+             * gained less, L1 (T0) as much as L2. The AVX2 fp32 tile keeps prefetch_weight's: per-line prefetches
+             * made its one-row walk slower (x0.89-0.90, the same benchmark at --dtype float32). */
+            prefetch_weight(pf, j0 / group * k_tiles + kt, per_it, (const char *)tile, s0, j0 == 0 && pf->base);
             for (int kp = 0; kp < 16; kp++) {
                 const int64_t k = (kt * 16 + kp) * 2;
                 const uint16_t *row = tile + (kp * 64 + c) * 2;   /* 8 outputs x one k-pair a ymm */
+                if (!pf->base)
+                    UNROLL for (int j = 0; j < g; j++)      /* strip j's 16 outputs x one k-pair: one 64 B line */
+                        _mm_prefetch((const char *)(row + 32 * j) + STREAM_AHEAD_BYTES, _MM_HINT_T1);
                 if (BROADCASTS_FIRST(rows, g)) {
                     __m256 xb[ROW_TILE];
                     UNROLL for (int m = 0; m < rows; m++) xb[m] = _mm256_broadcast_ss(xf + m * ldx + k + 1);
