@@ -16,8 +16,10 @@ def test_missing_model_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial   # a wall-clock bound: beside another pytest worker it took 2.36 s once (session 67)
 def test_default_gguf_is_converted_once_and_reloads_fast():
     first = resolve_model(None, dtype="float32")  # converts on a fresh machine, reuses the cache afterwards
+    load_hf_model(first.checkpoint_dir)   # transformers imports its model and tokenizer modules on first use: ~3 s
     stamp = (first.checkpoint_dir / "model.safetensors").stat().st_mtime_ns
     start = time.perf_counter()
     again = resolve_model(None, dtype="float32")
