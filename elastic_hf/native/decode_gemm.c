@@ -409,18 +409,20 @@ AI void tile_bf16(const uint16_t *w, int64_t k_tiles, const float *xf, int64_t l
             UNROLL for (int v = 0; v < 2 * g; v++) acc[m][v] = partial_or_zero(partial + m * 64 + c + 8 * v, first);
         for (int64_t kt = 0; kt < k_tiles; kt++) {
             const uint16_t *tile = w + kt * 16 * 64 * 2;      /* [16 k-pairs][64 n][2] */
-            /* With no next chunk to fetch (one row: a single pass over the weight; or a thread's last chunk) the two
-             * lines a tile that prefetch_weight fetches two tiles ahead slowed the stream down, and every line
-             * fetched 512 B ahead sped it up: Llama-3.2-1B's linears and head at 1 row on the 2-core AVX2 EPYC, 2
-             * threads, 114.2 -> 105.5 ms (x1.082, 25 rounds; 2.47 GB at 23.4 GB/s; `python benchmarks/kernel_ab.py
-             * --base 588749f --dtype bfloat16 --rows 1 --shape llama-3.2-1b --rounds 25`). 256 B and 1-2 KiB ahead
-             * gained less, L1 (T0) as much as L2. The AVX2 fp32 tile keeps prefetch_weight's: per-line prefetches
-             * made its one-row walk slower (x0.89-0.90, the same benchmark at --dtype float32). */
+            /* With no next chunk to fetch (one row: a single pass over the weight; or a thread's last chunk, whose
+             * first row tile streams it for the others, as prefetch_weight's `ahead` does) the two lines a tile that
+             * prefetch_weight fetches two tiles ahead slowed the stream down, and every line fetched 512 B ahead sped
+             * it up: Llama-3.2-1B's linears and head at 1 row on the 2-core AVX2 EPYC, 2 threads, 114.2 -> 105.5 ms
+             * (x1.082, 25 rounds; 2.47 GB at 23.4 GB/s; `python benchmarks/kernel_ab.py --base 588749f --dtype bfloat16
+             * --rows 1 --shape llama-3.2-1b --rounds 25`). 256 B and 1-2 KiB ahead gained less, L1 (T0) about as much
+             * as L2 (x1.024 against x1.033-1.102). The AVX2 fp32 tile keeps prefetch_weight's: per-line prefetches made
+             * its one-row walk slower (x0.89-0.90, the same benchmark at --dtype float32). */
+            const int stream = !pf->base && pf->first;
             prefetch_weight(pf, j0 / group * k_tiles + kt, per_it, (const char *)tile, s0, j0 == 0 && pf->base);
             for (int kp = 0; kp < 16; kp++) {
                 const int64_t k = (kt * 16 + kp) * 2;
                 const uint16_t *row = tile + (kp * 64 + c) * 2;   /* 8 outputs x one k-pair a ymm */
-                if (!pf->base)
+                if (stream)
                     UNROLL for (int j = 0; j < g; j++)      /* strip j's 16 outputs x one k-pair: one 64 B line */
                         _mm_prefetch((const char *)(row + 32 * j) + STREAM_AHEAD_BYTES, _MM_HINT_T1);
                 if (BROADCASTS_FIRST(rows, g)) {
