@@ -35,9 +35,9 @@ How the workload is chosen (every rule prints its numbers):
   solved so that the mean KV demand (Little's law: r x the mean KV token-seconds of a request) is --target-util
   (55 %) of the DP capacity. A request's KV token-seconds are its prefill time x its prompt plus its decode time x
   (prompt + output / 2), with the prefill time and the per-instance decode step time at the expected concurrency
-  measured on a DP deployment first (decode steps slowed by the prefills sharing them: TPOT = step / (1 - prefill
-  utilisation)); the concurrency depends on the rate, so r is a fixed point. The burst then asks for several times
-  the capacity.
+  measured on a DP deployment first, every instance at once at the window's mean decode context (decode steps slowed
+  by the prefills sharing them: TPOT = step / (1 - prefill utilisation)); the concurrency depends on the rate, so r
+  is a fixed point. The burst then asks for several times the capacity.
 - SLOs (KunServe §5.2 uses 5x the P50 latency of the best baseline): --slo-scale (5) x the DP deployment's unloaded
   TTFT and TPOT of a request of the window's median prompt and output length, measured one request at a time through
   the same HTTP path as the replay.
@@ -84,9 +84,11 @@ CONFIGS = ("dp", "pp", "tp-merge", "morph", "kunserve", "+drop", "+exchange", "n
 DEFAULT_CONFIGS = CONFIGS[:-2]
 ALIASES = {"+lookahead": "kunserve"}
 DROP_CONFIGS = ("kunserve", "+drop", "+exchange", "no-restore", "lifted")
-STEP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+STEP_BATCHES = (1, 4, 8, 16, 32)  # sequences per instance; beyond 32 the step grows linearly (extrapolated), and
+                                 # every one is prefilled at the window's mean decode context
 REQUEST_KV_SHARE = 0.8      # a request (prompt + output) takes at most this share of one DP instance's KV
-CALIBRATION_KV_BLOCKS = 256  # the calibration deployment's KV per worker: 64 sequences of ~45 tokens on one instance
+CALIBRATION_KV_BLOCKS = 256  # the calibration deployment's least KV per worker (its prefill probes)
+CALIBRATION_DECODE_SLACK = 96  # tokens a step-table sequence may decode before the last one's prefill ends
 PREFILL_UTIL_CAP = 0.9      # the rate solver's cap on the prefill share of an instance's time
 MAX_NUM_SEQS = 256          # per instance (vLLM's default): KV, not a sequence cap, bounds the batch
 RESTORE_HOLD_ARRIVALS = 2.0  # restore after about this many mean inter-arrival times of low demand
@@ -188,6 +190,7 @@ class Calibration:
     unloaded_tpot_s: float
     block_bytes: int
     probe: tuple[int, int] = (0, 0)  # (prompt, output) tokens of the unloaded probe
+    context: int = 0                 # tokens a sequence of the step table holds (the window's mean decode context)
 
     def step_at(self, batch: float) -> float:
         """Decode step seconds of one instance at `batch` sequences (piecewise linear, extrapolated beyond)."""
@@ -210,25 +213,43 @@ def _run_until_first_tokens(dep, request_ids: set[str]) -> None:
             pending.discard(out.request_id)
 
 
-def decode_step_table(dep, tokenizer, batches, steps: int = 4, prompt_len: int = 32) -> dict[int, float]:
-    """Seconds per decode step of one DP instance (every sequence on instance 0) holding b sequences, after their
-    prefill, through the engine (Deployment.step: scheduling, the worker RPC, sampling)."""
+def decode_step_table(dep, tokenizer, batches, context: int, steps: int = 4) -> dict[int, float]:
+    """Seconds per decode step of one DP instance holding b sequences of ~`context` tokens while every other
+    instance holds as many (the replay's instances step at once and share the memory bandwidth, and a step reads
+    every sequence's KV: instance 0 alone at 32-token prompts gave about half the step time at 16 sequences), after
+    their prefill, through the engine (Deployment.step: scheduling, the worker RPCs, sampling)."""
     from elastic_hf.engine.sampling_params import SamplingParams
 
     out = {}
+    instances = len(dep.instances)
+    # Long prefills take several chunked steps, in which the first sequences already decode: they must not finish
+    # before the last one starts (CALIBRATION_DECODE_SLACK tokens of room), and are aborted once timed.
+    params = SamplingParams(temperature=0.0, max_tokens=CALIBRATION_DECODE_SLACK, ignore_eos=True)
     for b in batches:
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True)
-        ids = {dep.add_request(None, p, params, instance=0)
-               for p in wikitext_prompts(tokenizer, b, prompt_len, prompt_len, seed=b)}
+        ids = {dep.add_request(None, p, params, instance=i)
+               for i in range(instances)
+               for p in wikitext_prompts(tokenizer, b, context, context, seed=b * instances + i)}
         _run_until_first_tokens(dep, ids)
         dep.step()
         started = time.perf_counter()
         for _ in range(steps):
-            dep.step()
+            finished = [o.request_id for o in dep.step() if o.finished]
+            if finished:
+                raise RuntimeError(f"calibration at batch {b}: {len(finished)} sequences finished while timed "
+                                   f"(CALIBRATION_DECODE_SLACK {CALIBRATION_DECODE_SLACK} too small)")
         out[b] = (time.perf_counter() - started) / steps
+        for request_id in ids:
+            dep.abort_request(request_id)
         while dep.has_unfinished_requests():
             dep.step()
     return out
+
+
+def decode_context(rows: list[TraceRow]) -> int:
+    """The mean context (prompt + tokens generated so far) of a sequence in a decode step: every request's decode
+    steps weighted by their number, sum(o * (p + o / 2)) / sum(o)."""
+    outputs = sum(r.output_tokens for r in rows)
+    return max(16, round(sum(r.output_tokens * (r.prompt_tokens + r.output_tokens / 2) for r in rows) / outputs))
 
 
 def prefill_times(dep, tokenizer, lengths: list[int], repeats: int = 2) -> dict[int, float]:
@@ -241,6 +262,7 @@ def prefill_times(dep, tokenizer, lengths: list[int], repeats: int = 2) -> dict[
         runs = []
         for r in range(repeats):
             prompt = wikitext_prompts(tokenizer, 1, length, length, seed=1000 + r)[0]
+            dep.reset_prefix_cache()   # a cached prefix (the step table's prompts, a shorter probe) is no prefill
             started = time.perf_counter()
             _run_until_first_tokens(dep, {dep.add_request(None, prompt, params, instance=0)})
             runs.append(time.perf_counter() - started)
@@ -267,22 +289,23 @@ def unloaded_latency(server: InProcessServer, tokenizer, prompt_tokens: int, out
     return statistics.median(ttfts), statistics.median(tpots) if tpots else float("nan")
 
 
-def calibrate(args, bar, long_prompt: int, probe: tuple[int, int]) -> tuple[Calibration, int]:
-    """Loads a DP deployment with room for the step table, measures it and its unloaded latency of a `probe`
-    (prompt, output) request; returns the calibration and a TP1 worker's committed weight bytes."""
+def calibrate(args, bar, long_prompt: int, probe: tuple[int, int], context: int) -> tuple[Calibration, int]:
+    """Loads a DP deployment with room for the step table at `context` tokens a sequence, measures it and its
+    unloaded latency of a `probe` (prompt, output) request; returns the calibration and a TP1 worker's committed
+    weight bytes."""
     from elastic_hf import ElasticModel
 
     bar.set_description("loading calibration (dp)")
     model = ElasticModel.from_pretrained(None, workers=2, topology=(1, 1), dtype=args.dtype,
                                          max_num_seqs=max(STEP_BATCHES),
-                                         kv_cache_memory=CALIBRATION_KV_BLOCKS * block_bytes_guess(args.dtype))
+                                         kv_cache_memory=calibration_blocks(context) * block_bytes_guess(args.dtype))
     try:
         dep = model.deployment
         block_bytes = model.memory_report()["workers"][0]["kv_block_bytes"]
         weights = measured_weights_bytes(model)
         model.generate([[1, 2, 3]] * 2, max_tokens=2)   # warm-up
         bar.set_description("calibration: decode steps")
-        steps = decode_step_table(dep, model.tokenizer, STEP_BATCHES)
+        steps = decode_step_table(dep, model.tokenizer, STEP_BATCHES, context)
         bar.set_description("calibration: prefill")
         short, long_ = 32, max(64, long_prompt)
         pre = prefill_times(dep, model.tokenizer, [short, long_])
@@ -294,9 +317,15 @@ def calibrate(args, bar, long_prompt: int, probe: tuple[int, int]) -> tuple[Cali
             ttft, tpot = unloaded_latency(server, model.tokenizer, *probe)
         finally:
             server.stop()
-        return Calibration(steps, fixed, per_token, ttft, tpot, block_bytes, probe), weights
+        return Calibration(steps, fixed, per_token, ttft, tpot, block_bytes, probe, context), weights
     finally:
         model.close()
+
+
+def calibration_blocks(context: int) -> int:
+    """KV blocks per worker for the step table's largest batch at `context` tokens (plus the tokens it may decode
+    and a block of rounding), and never fewer than CALIBRATION_KV_BLOCKS (the prefill probes)."""
+    return max(CALIBRATION_KV_BLOCKS, max(STEP_BATCHES) * (-(-(context + CALIBRATION_DECODE_SLACK) // 16) + 1))
 
 
 def block_bytes_guess(dtype: str) -> int:
@@ -709,7 +738,8 @@ def main(argv=None) -> int:
         unbound_rows = scale_trace(window.rows, unbound)
         probe = (int(statistics.median(r.prompt_tokens for r in unbound_rows)),
                  max(16, int(statistics.median(r.output_tokens for r in unbound_rows))))
-        cal, weights = calibrate(args, bar, args.max_prompt_tokens, probe)
+        context = decode_context(unbound_rows)
+        cal, weights = calibrate(args, bar, args.max_prompt_tokens, probe, context)
         bar.update()
         print_calibration(cal, weights)
         slo = (args.slo_scale * cal.unloaded_ttft_s, args.slo_scale * cal.unloaded_tpot_s)
@@ -733,12 +763,16 @@ def main(argv=None) -> int:
                     run = run_config(name, regime_args, requests, slo, hysteresis, cost_profile, bar)
                     runs[name].append(run)
                     c = run.counts
+                    # the rate was solved for the demand while requests arrive; the drain after the last arrival
+                    # (outputs of up to --max-output-tokens) holds less and would dilute it
+                    arrivals = run.timeline.mean_demand(run.t0, run.t0 + requests[-1].arrival_s)
                     demand = run.timeline.mean_demand(run.t0, run.t_end)
                     tqdm.write(f"[weight share {share:.2f}, run {r + 1}/{args.runs}, {name}] "
                                f"{run.report.summary().splitlines()[2]}; drops {c['drops']} restores "
                                f"{c['restores']} merges {c['merges']} preemptions {int(c['preemptions'])}; KV "
                                f"capacity at start {run.capacity_tokens} tokens; mean KV demand "
-                               f"{100 * demand / capacity_tokens:.0f} % of the DP capacity")
+                               f"{100 * arrivals / capacity_tokens:.0f} % of the DP capacity while requests arrive "
+                               f"({100 * demand / capacity_tokens:.0f} % to the last reply)")
                     bar.update()
             outcomes.append((share, runs, capacity_tokens))
 
@@ -781,7 +815,8 @@ def print_calibration(cal: Calibration, weights: int) -> None:
     verdict = ("memory-bound over the whole range (step time roughly flat in batch)" if knee is None else
                f"memory-bound up to b~{knee // 2 if knee > 1 else 1}, compute-bound from b={knee} (step time "
                f"grows with batch)")
-    tqdm.write(f"DP decode step (ms, one instance, through the engine): {table}; b={max(cal.step_s)} costs "
+    tqdm.write(f"DP decode step (ms, per instance with every instance at b sequences of {cal.context} tokens, "
+               f"through the engine): {table}; b={max(cal.step_s)} costs "
                f"{flat:.2f}x b=1 -> {verdict}")
     tqdm.write(f"DP prefill alone: {1e3 * cal.prefill_fixed_s:.0f} ms + {1e3 * cal.prefill_per_token_s:.2f} ms "
                f"per prompt token; KV block {cal.block_bytes} B; weights {weights / 2 ** 20:.1f} MiB per TP1 worker")
