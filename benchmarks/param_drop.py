@@ -763,8 +763,8 @@ def main(argv=None) -> int:
                     run = run_config(name, regime_args, requests, slo, hysteresis, cost_profile, bar)
                     runs[name].append(run)
                     c = run.counts
-                    # the rate was solved for the demand while requests arrive; the drain after the last arrival
-                    # (outputs of up to --max-output-tokens) holds less and would dilute it
+                    # the rate was solved for the steady demand while requests arrive; both spans miss it a little
+                    # (the arrival span starts empty, the span to the last reply adds the drain), so both print
                     arrivals = run.timeline.mean_demand(run.t0, run.t0 + requests[-1].arrival_s)
                     demand = run.timeline.mean_demand(run.t0, run.t_end)
                     tqdm.write(f"[weight share {share:.2f}, run {r + 1}/{args.runs}, {name}] "
