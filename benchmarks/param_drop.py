@@ -76,6 +76,7 @@ from regime import (add_weight_share_arg, kv_bytes_for_share, measured_weights_b
                     median_spread, parse_weight_shares, share_label)
 from replay import (TRACE_NAME, ReplayReport, ReplayRequest, TraceRow, TraceScale, build_requests,  # noqa: E402
                     load_trace, percentile, run_replay, scale_trace, time_scale_for_rate)
+from elastic_hf.config import EngineConfig  # noqa: E402
 from elastic_hf.parallel.metrics import PIPELINE_PARTS  # noqa: E402
 
 CONFIGS = ("dp", "pp", "tp-merge", "morph", "kunserve", "+drop", "+exchange", "no-restore", "lifted", "dp-routed")
@@ -89,6 +90,7 @@ STEP_BATCHES = (1, 4, 8, 16, 32)  # sequences per instance; beyond 32 the step g
 REQUEST_KV_SHARE = 0.8      # a request (prompt + output) takes at most this share of one DP instance's KV
 CALIBRATION_KV_BLOCKS = 256  # the calibration deployment's least KV per worker (its prefill probes)
 CALIBRATION_DECODE_SLACK = 96  # tokens a step-table sequence may decode before the last one's prefill ends
+BLOCK_TOKENS = EngineConfig().block_size  # tokens per KV block of every deployment here (the engine's default)
 PREFILL_UTIL_CAP = 0.9      # the rate solver's cap on the prefill share of an instance's time
 MAX_NUM_SEQS = 256          # per instance (vLLM's default): KV, not a sequence cap, bounds the batch
 RESTORE_HOLD_ARRIVALS = 2.0  # restore after about this many mean inter-arrival times of low demand
@@ -206,11 +208,15 @@ class Calibration:
         return self.prefill_fixed_s + self.prefill_per_token_s * prompt
 
 
-def _run_until_first_tokens(dep, request_ids: set[str]) -> None:
-    pending = set(request_ids)
+def _run_until_first_tokens(dep, request_ids: set[str]) -> set[str]:
+    """Steps until every request has a token; returns those that finished on the way."""
+    pending, finished = set(request_ids), set()
     while pending:
         for out in dep.step():
             pending.discard(out.request_id)
+            if out.finished:
+                finished.add(out.request_id)
+    return finished
 
 
 def decode_step_table(dep, tokenizer, batches, context: int, steps: int = 4) -> dict[int, float]:
@@ -229,15 +235,15 @@ def decode_step_table(dep, tokenizer, batches, context: int, steps: int = 4) -> 
         ids = {dep.add_request(None, p, params, instance=i)
                for i in range(instances)
                for p in wikitext_prompts(tokenizer, b, context, context, seed=b * instances + i)}
-        _run_until_first_tokens(dep, ids)
-        dep.step()
+        finished = _run_until_first_tokens(dep, ids)
+        finished.update(o.request_id for o in dep.step() if o.finished)
         started = time.perf_counter()
         for _ in range(steps):
-            finished = [o.request_id for o in dep.step() if o.finished]
-            if finished:
-                raise RuntimeError(f"calibration at batch {b}: {len(finished)} sequences finished while timed "
-                                   f"(CALIBRATION_DECODE_SLACK {CALIBRATION_DECODE_SLACK} too small)")
+            finished.update(o.request_id for o in dep.step() if o.finished)
         out[b] = (time.perf_counter() - started) / steps
+        if finished:   # the batch shrank before or while it was timed
+            raise RuntimeError(f"calibration at batch {b}: {len(finished)} of {len(ids)} sequences finished before "
+                               f"the timed steps ended (CALIBRATION_DECODE_SLACK {CALIBRATION_DECODE_SLACK} too small)")
         for request_id in ids:
             dep.abort_request(request_id)
         while dep.has_unfinished_requests():
@@ -325,7 +331,8 @@ def calibrate(args, bar, long_prompt: int, probe: tuple[int, int], context: int)
 def calibration_blocks(context: int) -> int:
     """KV blocks per worker for the step table's largest batch at `context` tokens (plus the tokens it may decode
     and a block of rounding), and never fewer than CALIBRATION_KV_BLOCKS (the prefill probes)."""
-    return max(CALIBRATION_KV_BLOCKS, max(STEP_BATCHES) * (-(-(context + CALIBRATION_DECODE_SLACK) // 16) + 1))
+    return max(CALIBRATION_KV_BLOCKS,
+               max(STEP_BATCHES) * (-(-(context + CALIBRATION_DECODE_SLACK) // BLOCK_TOKENS) + 1))
 
 
 def block_bytes_guess(dtype: str) -> int:
@@ -828,7 +835,7 @@ def plan_regime(args, window: Window, cal: Calibration, weights: int, share: flo
 
     from elastic_hf.model.loader import resolve_model
 
-    block = 16
+    block = BLOCK_TOKENS
     instance_blocks = args.kv_cache_memory // cal.block_bytes
     capacity_tokens = 2 * instance_blocks * block
     cap_p, cap_o = length_caps(args, instance_blocks * block)
