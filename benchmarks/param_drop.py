@@ -5,7 +5,7 @@ request (`--configs ...,lifted`), the exchange at full speed while requests queu
 (`--configs ...,dp-routed`) data parallelism with each request kept where routing put it on arrival (no queue
 rebalancing: what "dp" was before session 56).
 
-    python benchmarks/param_drop.py [--num-requests 80 --weight-share 0.5,0.3 --runs 3 --configs dp,pp,kunserve
+    python benchmarks/param_drop.py [--num-requests auto --weight-share 0.5,0.3 --runs 3 --configs dp,pp,kunserve
                                      --cost-profile PATH --plot out/benchmarks/param_drop.png]
 
 The memory regime is the papers' (benchmarks/regime.py): each worker's KV budget is sized from its measured weights
@@ -20,7 +20,16 @@ How the workload is chosen (every rule prints its numbers):
   of them) is highest relative to the window's mean rate, i.e. the highest peak once time scaling has fixed the
   mean, with the peak at least an eighth of the window from either end (a lead-in and a tail, so the drop and the
   restore both happen) and no idle gap longer than max(10 %, 3 mean inter-arrivals) of the window's span (a long
-  idle gap would make any burst look large relative to the mean while the replay mostly sleeps).
+  idle gap would make any burst look large relative to the mean while the replay mostly sleeps). With
+  --num-requests auto (the default) the size is chosen per weight share: the smallest of 80 / 90 / 100 / 110 / 120 /
+  140 / 160 / 180 / 200 / 240 rows whose burst asks for at least --burst-peak (95 %) of the DP capacity, by a fluid
+  estimate at the solved rate (fluid_peak_demand: no queue, no KV limit, the decode step of the current load from
+  the calibration). A burst that stays below the capacity overflows nothing and the drop configs serve exactly as
+  DP: session 69's 80-row window (fluid peak 76-80 % at weight share 0.5) overflowed in 1 of 6 drop replays. The
+  estimate has no queue, so the replay overflows at a lower fluid peak than 100 %, and far more above it: the
+  120-row window (141 %) held a mean demand of 128-148 % of the DP capacity while requests arrived (DP's P99 TTFT
+  182-209 s), a compute overload that does not drain within the window rather than a burst above a 55 % mean. The
+  larger KV of weight share 0.3 needs a larger window (~140 rows) for the same overflow.
 - Lengths: prompts x --prompt-scale (1/4, cap 512) and outputs x --output-scale (x32, cap 768), capped so every
   request (prompt + output) takes at most 80 % of one data-parallel instance's KV: every request's KV stays
   resident on one DP instance. The code trace is prefill-heavy (median 1,240 prompt tokens, 13 outputs); a 2-core
@@ -29,8 +38,8 @@ How the workload is chosen (every rule prints its numbers):
   compute, not memory, and no drop ever happens (measured with x8 / cap 384 outputs and prompts x1/16: mean KV
   demand 23 % of the DP capacity, no drop at either share). Decode-heavy requests (the papers' conversation
   workloads) hold more KV per unit of compute: at these defaults the prefill takes ~12 % of an instance's time and
-  the largest burst of the window asks for ~60 % of the DP capacity on top of the mean (at weight share 0.5; at
-  0.3 the same burst is ~26 % of a KV 2.3x larger and overflows nothing: a larger --num-requests window is needed).
+  the largest burst of the 80-row window asks for ~60 % of the DP capacity on top of the mean (at weight share 0.5;
+  at 0.3 the same burst is ~26 % of a KV 2.3x larger and overflows nothing: hence the larger windows of `auto`).
 - Time scale (KunServe §5.1: the mean memory demand stays below 60 % of the memory): the mean arrival rate r is
   solved so that the mean KV demand (Little's law: r x the mean KV token-seconds of a request) is --target-util
   (55 %) of the DP capacity. A request's KV token-seconds are its prefill time x its prompt plus its decode time x
@@ -91,6 +100,7 @@ REQUEST_KV_SHARE = 0.8      # a request (prompt + output) takes at most this sha
 CALIBRATION_KV_BLOCKS = 256  # the calibration deployment's least KV per worker (its prefill probes)
 CALIBRATION_DECODE_SLACK = 96  # tokens a step-table sequence may decode before the last one's prefill ends
 BLOCK_TOKENS = EngineConfig().block_size  # tokens per KV block of every deployment here (the engine's default)
+AUTO_WINDOW_SIZES = (80, 90, 100, 110, 120, 140, 160, 180, 200, 240)   # --num-requests auto: the candidates, smallest first
 PREFILL_UTIL_CAP = 0.9      # the rate solver's cap on the prefill share of an instance's time
 MAX_NUM_SEQS = 256          # per instance (vLLM's default): KV, not a sequence cap, bounds the batch
 RESTORE_HOLD_ARRIVALS = 2.0  # restore after about this many mean inter-arrival times of low demand
@@ -340,6 +350,38 @@ def block_bytes_guess(dtype: str) -> int:
     from elastic_hf.config import DTYPES
 
     return 30 * 3 * 2 * 16 * 64 * (4 if DTYPES.get(dtype, dtype) == "float32" else 2)
+
+
+def fluid_peak_demand(rows: list[TraceRow], cal: Calibration, prefill_util: float, block: int, dt: float = 0.25
+                      ) -> tuple[float, float]:
+    """(peak KV demand in tokens, its time in s) of `rows` (scaled arrival times) served by 2 DP instances with no
+    KV limit, as a fluid: a request prefills for its prefill time on arrival, then decodes a token every step of
+    the instances' current load (half the decoding requests each, slowed by the prefill share of their time), and
+    holds its prompt, the tokens made so far and half a block of rounding. It has no queue and no preemption, so it
+    is the demand the arrivals ask for, not what any deployment serves; the step time grows with the load, so a
+    burst lasts longer than at the mean TPOT the rate was solved with."""
+    pad = block / 2
+    pending = sorted(rows, key=lambda r: r.arrival_s)
+    active: list[list[float]] = []   # [prefill seconds left, tokens made, output tokens, prompt tokens]
+    peak, peak_t, t, i = 0.0, 0.0, 0.0, 0
+    while i < len(pending) or active:
+        while i < len(pending) and pending[i].arrival_s <= t:
+            r = pending[i]
+            active.append([cal.prefill_s(r.prompt_tokens), 1.0, float(r.output_tokens), float(r.prompt_tokens)])
+            i += 1
+        decoding = sum(1 for a in active if a[0] <= 0)
+        step = cal.step_at(max(1.0, decoding / 2)) / (1 - prefill_util)
+        demand = sum(a[3] + a[1] + pad for a in active)
+        if demand > peak:
+            peak, peak_t = demand, t
+        for a in active:
+            if a[0] > 0:
+                a[0] -= dt
+            else:
+                a[1] += dt / step
+        active = [a for a in active if a[1] < a[2]]
+        t += dt
+    return peak, peak_t
 
 
 def solve_rate(rows: list[TraceRow], cal: Calibration, capacity_tokens: int, util: float, block: int
@@ -682,7 +724,11 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--num-requests", type=int, default=80, help="consecutive trace rows around the largest burst")
+    ap.add_argument("--num-requests", default="auto",
+                    help="consecutive trace rows around the largest burst; 'auto': per weight share the smallest of "
+                         f"{', '.join(map(str, AUTO_WINDOW_SIZES))} whose burst reaches --burst-peak")
+    ap.add_argument("--burst-peak", type=float, default=0.95,
+                    help="with --num-requests auto: the least fluid-estimated peak KV demand / DP capacity")
     add_weight_share_arg(ap)
     ap.add_argument("--kv-cache-memory", default=None,
                     help="KV bytes per worker as a DP instance for every config, instead of --weight-share")
@@ -725,13 +771,24 @@ def main(argv=None) -> int:
             configs.append(name)
     torch.set_num_threads(1)   # the workers compute; this process tokenizes, serves HTTP and schedules
 
+    if args.num_requests == "auto":
+        sizes = list(AUTO_WINDOW_SIZES)
+    else:
+        try:
+            sizes = [int(args.num_requests)]
+        except ValueError:
+            ap.error(f"--num-requests must be an integer or 'auto', got {args.num_requests!r}")
     all_rows = load_trace(None)
-    window = find_burst_window(all_rows, args.num_requests)
+    try:
+        windows = [find_burst_window(all_rows, n) for n in sizes]
+    except ValueError as exc:
+        ap.error(str(exc))
     print(f"machine: {machine_description()}, load average {os.getloadavg()[0]:.1f} at start")
-    print(f"window: {TRACE_NAME} rows {window.start}..{window.start + args.num_requests - 1} "
-          f"({window.rows[-1].arrival_s:.1f} s of trace): mean {window.mean_rate:.2f} req/s, peak over "
-          f"{window.sub} arrivals {window.peak_rate:.1f} req/s at row +{window.peak_offset} "
-          f"(burst factor {window.burst_factor:.1f}x the mean)")
+    for window in windows:
+        print(f"window: {TRACE_NAME} rows {window.start}..{window.start + len(window.rows) - 1} "
+              f"({window.rows[-1].arrival_s:.1f} s of trace): mean {window.mean_rate:.2f} req/s, peak over "
+              f"{window.sub} arrivals {window.peak_rate:.1f} req/s at row +{window.peak_offset} "
+              f"(burst factor {window.burst_factor:.1f}x the mean)")
 
     regimes = [None] if args.kv_cache_memory is not None else shares
     phases = 1 + (0 if args.plan_only else len(regimes) * len(configs) * args.runs)
@@ -742,7 +799,8 @@ def main(argv=None) -> int:
             tqdm.write(f"cost profile: {cost_profile} (given)")
         unbound = TraceScale(1.0, args.prompt_scale, args.output_scale, args.max_prompt_tokens,
                              args.max_output_tokens)
-        unbound_rows = scale_trace(window.rows, unbound)
+        # the calibration's step table, probe and SLO come from the smallest window (one calibration for all)
+        unbound_rows = scale_trace(windows[0].rows, unbound)
         probe = (int(statistics.median(r.prompt_tokens for r in unbound_rows)),
                  max(16, int(statistics.median(r.output_tokens for r in unbound_rows))))
         context = decode_context(unbound_rows)
@@ -761,6 +819,8 @@ def main(argv=None) -> int:
             else:
                 kv = kv_bytes_for_share(weights, share)
             regime_args = argparse.Namespace(**{**vars(args), "kv_cache_memory": kv})
+            window = (windows[0] if len(windows) == 1 else
+                      choose_window(regime_args, windows, cal, kv // cal.block_bytes))
             requests, capacity_tokens, hysteresis = plan_regime(regime_args, window, cal, weights, share)
             if args.plan_only:
                 continue
@@ -775,7 +835,7 @@ def main(argv=None) -> int:
                     arrivals = run.timeline.mean_demand(run.t0, run.t0 + requests[-1].arrival_s)
                     demand = run.timeline.mean_demand(run.t0, run.t_end)
                     tqdm.write(f"[weight share {share:.2f}, run {r + 1}/{args.runs}, {name}] "
-                               f"{run.report.summary().splitlines()[2]}; drops {c['drops']} restores "
+                               f"{run.report.summary().splitlines()[2]}; TPOT P50 {run.report.tpot(50):.4f} s; drops {c['drops']} restores "
                                f"{c['restores']} merges {c['merges']} preemptions {int(c['preemptions'])}; KV "
                                f"capacity at start {run.capacity_tokens} tokens; mean KV demand "
                                f"{100 * arrivals / capacity_tokens:.0f} % of the DP capacity while requests arrive "
@@ -829,6 +889,36 @@ def print_calibration(cal: Calibration, weights: int) -> None:
                f"per prompt token; KV block {cal.block_bytes} B; weights {weights / 2 ** 20:.1f} MiB per TP1 worker")
 
 
+def scaled_window(args, window: Window, cal: Calibration, instance_blocks: int
+                  ) -> tuple[list[TraceRow], TraceScale, dict]:
+    """The window's rows at the lengths and the mean rate of one memory regime (module docstring), with the scale
+    and the rate solution."""
+    cap_p, cap_o = length_caps(args, instance_blocks * BLOCK_TOKENS)
+    rows = scale_trace(window.rows, TraceScale(1.0, args.prompt_scale, args.output_scale, cap_p, cap_o))
+    sol = solve_rate(rows, cal, 2 * instance_blocks * BLOCK_TOKENS, args.target_util, BLOCK_TOKENS)
+    scale = TraceScale(time_scale_for_rate(rows, sol["rate"]), args.prompt_scale, args.output_scale, cap_p, cap_o)
+    return scale_trace(window.rows, scale), scale, sol
+
+
+def choose_window(args, windows: list[Window], cal: Calibration, instance_blocks: int) -> Window:
+    """The smallest of `windows` (ascending sizes) whose burst asks for at least --burst-peak of the DP capacity
+    by the fluid estimate at the solved rate, else the largest (with a warning): a burst that stays below the
+    capacity overflows nothing, and the drop configs then serve exactly as DP."""
+    capacity = 2 * instance_blocks * BLOCK_TOKENS
+    for window in windows:
+        rows, _, sol = scaled_window(args, window, cal, instance_blocks)
+        peak, when = fluid_peak_demand(rows, cal, sol["prefill_util"], BLOCK_TOKENS)
+        tqdm.write(f"window of {len(rows)} rows from {window.start}: {sol['rate']:.3f} req/s over "
+                   f"{rows[-1].arrival_s:.0f} s, burst peak {100 * peak / capacity:.0f} % of the DP capacity at "
+                   f"{when:.0f} s (fluid estimate; --burst-peak {100 * args.burst_peak:.0f} %)")
+        if peak >= args.burst_peak * capacity:
+            return window
+    tqdm.write(f"WARNING: no window of {', '.join(str(len(w.rows)) for w in windows)} rows has a burst above "
+               f"{100 * args.burst_peak:.0f} % of the DP capacity: the largest is replayed, its burst may overflow "
+               f"nothing")
+    return windows[-1]
+
+
 def plan_regime(args, window: Window, cal: Calibration, weights: int, share: float):
     """The requests, DP capacity (tokens) and hysteresis of one memory regime (module docstring)."""
     from transformers import AutoTokenizer
@@ -838,11 +928,8 @@ def plan_regime(args, window: Window, cal: Calibration, weights: int, share: flo
     block = BLOCK_TOKENS
     instance_blocks = args.kv_cache_memory // cal.block_bytes
     capacity_tokens = 2 * instance_blocks * block
-    cap_p, cap_o = length_caps(args, instance_blocks * block)
-    rows = scale_trace(window.rows, TraceScale(1.0, args.prompt_scale, args.output_scale, cap_p, cap_o))
-    sol = solve_rate(rows, cal, capacity_tokens, args.target_util, block)
-    scale = TraceScale(time_scale_for_rate(rows, sol["rate"]), args.prompt_scale, args.output_scale, cap_p, cap_o)
-    rows = scale_trace(window.rows, scale)
+    rows, scale, sol = scaled_window(args, window, cal, instance_blocks)
+    peak, peak_at = fluid_peak_demand(rows, cal, sol["prefill_util"], block)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir)
     requests = build_requests(rows, tokenizer, seed=args.seed)
     mean_gap = rows[-1].arrival_s / max(len(rows) - 1, 1)
@@ -852,7 +939,7 @@ def plan_regime(args, window: Window, cal: Calibration, weights: int, share: flo
                   "cooldown_steps": max(16, round(COOLDOWN_ARRIVALS * mean_gap / step))}
     burst = rows[window.peak_offset:window.peak_offset + window.sub]
     burst_tokens = sum(r.prompt_tokens + r.output_tokens for r in burst)
-    tqdm.write(f"\nweight share {share:.2f}: KV {args.kv_cache_memory / 2 ** 20:.1f} MiB per worker beside "
+    tqdm.write(f"\nweight share {share:.2f}, window rows {window.start}..{window.start + len(rows) - 1}: KV {args.kv_cache_memory / 2 ** 20:.1f} MiB per worker beside "
                f"{weights / 2 ** 20:.1f} MiB of weights -> DP capacity {instance_blocks} blocks per instance = "
                f"{instance_blocks * block} tokens, {capacity_tokens} tokens over both")
     tqdm.write(f"lengths: {scale.describe()}: prompt mean {statistics.mean(r.prompt_tokens for r in rows):.0f}, "
@@ -864,7 +951,8 @@ def plan_regime(args, window: Window, cal: Calibration, weights: int, share: flo
                f"{100 * sol['prefill_util']:.0f} %, {sol['kv_token_seconds']:.0f} KV token-s per request, a request "
                f"lasts ~{sol['duration_s']:.1f} s unloaded); the peak brings {len(burst)} requests holding up to "
                f"{burst_tokens} KV tokens ({100 * burst_tokens / capacity_tokens:.0f} % of the DP capacity) "
-               f"within {burst[-1].arrival_s - burst[0].arrival_s:.1f} s")
+               f"within {burst[-1].arrival_s - burst[0].arrival_s:.1f} s; fluid estimate of the peak KV demand "
+               f"{100 * peak / capacity_tokens:.0f} % of the DP capacity, {peak_at:.0f} s in")
     if sol["prefill_util"] >= PREFILL_UTIL_CAP - 1e-9:
         tqdm.write(f"WARNING: this regime is compute-bound on this machine: holding {100 * args.target_util:.0f} % of "
                    f"the DP KV with these request lengths needs prefill at >= {100 * PREFILL_UTIL_CAP:.0f} % of the "
