@@ -100,7 +100,8 @@ REQUEST_KV_SHARE = 0.8      # a request (prompt + output) takes at most this sha
 CALIBRATION_KV_BLOCKS = 256  # the calibration deployment's least KV per worker (its prefill probes)
 CALIBRATION_DECODE_SLACK = 96  # tokens a step-table sequence may decode before the last one's prefill ends
 BLOCK_TOKENS = EngineConfig().block_size  # tokens per KV block of every deployment here (the engine's default)
-AUTO_WINDOW_SIZES = (80, 90, 100, 110, 120, 140, 160, 180, 200, 240)   # --num-requests auto: the candidates, smallest first
+# --num-requests auto: the candidate window sizes, smallest first
+AUTO_WINDOW_SIZES = (80, 90, 100, 110, 120, 140, 160, 180, 200, 240)
 PREFILL_UTIL_CAP = 0.9      # the rate solver's cap on the prefill share of an instance's time
 MAX_NUM_SEQS = 256          # per instance (vLLM's default): KV, not a sequence cap, bounds the batch
 RESTORE_HOLD_ARRIVALS = 2.0  # restore after about this many mean inter-arrival times of low demand
@@ -835,7 +836,8 @@ def main(argv=None) -> int:
                     arrivals = run.timeline.mean_demand(run.t0, run.t0 + requests[-1].arrival_s)
                     demand = run.timeline.mean_demand(run.t0, run.t_end)
                     tqdm.write(f"[weight share {share:.2f}, run {r + 1}/{args.runs}, {name}] "
-                               f"{run.report.summary().splitlines()[2]}; TPOT P50 {run.report.tpot(50):.4f} s; drops {c['drops']} restores "
+                               f"{run.report.summary().splitlines()[2]}; TPOT P50 {run.report.tpot(50):.4f} s; "
+                               f"drops {c['drops']} restores "
                                f"{c['restores']} merges {c['merges']} preemptions {int(c['preemptions'])}; KV "
                                f"capacity at start {run.capacity_tokens} tokens; mean KV demand "
                                f"{100 * arrivals / capacity_tokens:.0f} % of the DP capacity while requests arrive "
@@ -939,7 +941,8 @@ def plan_regime(args, window: Window, cal: Calibration, weights: int, share: flo
                   "cooldown_steps": max(16, round(COOLDOWN_ARRIVALS * mean_gap / step))}
     burst = rows[window.peak_offset:window.peak_offset + window.sub]
     burst_tokens = sum(r.prompt_tokens + r.output_tokens for r in burst)
-    tqdm.write(f"\nweight share {share:.2f}, window rows {window.start}..{window.start + len(rows) - 1}: KV {args.kv_cache_memory / 2 ** 20:.1f} MiB per worker beside "
+    tqdm.write(f"\nweight share {share:.2f}, window rows {window.start}..{window.start + len(rows) - 1}: KV "
+               f"{args.kv_cache_memory / 2 ** 20:.1f} MiB per worker beside "
                f"{weights / 2 ** 20:.1f} MiB of weights -> DP capacity {instance_blocks} blocks per instance = "
                f"{instance_blocks * block} tokens, {capacity_tokens} tokens over both")
     tqdm.write(f"lengths: {scale.describe()}: prompt mean {statistics.mean(r.prompt_tokens for r in rows):.0f}, "
